@@ -1,0 +1,165 @@
+"""Where this process sits in the job: rank, size, local and cross ranks.
+
+hora's own launcher sets ``HORA_*`` variables.  So that ``hvd.init()`` also
+works under other launchers, the environments of Open MPI / PMIx, MPICH /
+Hydra (PMI), torchrun and Slurm's srun are understood too.  Detection is a
+pure function of an environment mapping, so it is tested without launching.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from collections.abc import Mapping
+
+from hora.errors import TopologyError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Topology:
+    """Rank layout of the job.
+
+    ``cross_rank`` is the index of this host among all hosts and
+    ``cross_size`` the number of hosts, as in Horovod (for a homogeneous job
+    ``size == local_size * cross_size``).
+    """
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    hostname: str
+    launcher: str  # "hora", "mpi", "torchrun", "slurm" or "single"
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise TopologyError(f"size={self.size} must be >= 1")
+        if not 0 <= self.rank < self.size:
+            raise TopologyError(f"rank={self.rank} is outside [0, size={self.size})")
+        if not 0 <= self.local_rank < self.local_size:
+            raise TopologyError(f"local_rank={self.local_rank} is outside [0, local_size={self.local_size})")
+        if not 0 <= self.cross_rank < self.cross_size:
+            raise TopologyError(f"cross_rank={self.cross_rank} is outside [0, cross_size={self.cross_size})")
+
+    @property
+    def started_by_mpi(self) -> bool:
+        return self.launcher == "mpi"
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    raw = env[name]
+    try:
+        return int(raw)
+    except ValueError:
+        raise TopologyError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _first(env: Mapping[str, str], *names: str) -> str | None:
+    for name in names:
+        if name in env and env[name] != "":
+            return name
+    return None
+
+
+def detect(env: Mapping[str, str]) -> Topology:
+    """Read the topology from a launcher's environment.
+
+    Args:
+        env: the process environment (or a test's dictionary).
+
+    Returns:
+        The topology; a single-process job if no launcher is recognised.
+
+    Raises:
+        TopologyError: a launcher's variables are present but inconsistent.
+    """
+    host = env.get("HORA_HOSTNAME") or socket.gethostname()
+    if "HORA_RANK" in env:
+        size = _int(env, "HORA_SIZE")
+        local_size = _int(env, "HORA_LOCAL_SIZE") if "HORA_LOCAL_SIZE" in env else size
+        return Topology(
+            rank=_int(env, "HORA_RANK"),
+            size=size,
+            local_rank=_int(env, "HORA_LOCAL_RANK") if "HORA_LOCAL_RANK" in env else _int(env, "HORA_RANK"),
+            local_size=local_size,
+            cross_rank=_int(env, "HORA_CROSS_RANK") if "HORA_CROSS_RANK" in env else 0,
+            cross_size=_int(env, "HORA_CROSS_SIZE") if "HORA_CROSS_SIZE" in env else max(1, size // local_size),
+            hostname=host,
+            launcher="hora",
+        )
+    if "OMPI_COMM_WORLD_RANK" in env:  # Open MPI's mpirun / prterun
+        return _from_counts(
+            env,
+            "mpi",
+            host,
+            rank="OMPI_COMM_WORLD_RANK",
+            size="OMPI_COMM_WORLD_SIZE",
+            local_rank="OMPI_COMM_WORLD_LOCAL_RANK",
+            local_size="OMPI_COMM_WORLD_LOCAL_SIZE",
+            node_rank="OMPI_COMM_WORLD_NODE_RANK",
+        )
+    if "PMI_RANK" in env:  # MPICH / Hydra
+        return _from_counts(
+            env, "mpi", host, rank="PMI_RANK", size="PMI_SIZE",
+            local_rank="MPI_LOCALRANKID", local_size="MPI_LOCALNRANKS", node_rank=None,
+        )
+    if "RANK" in env and "WORLD_SIZE" in env and "LOCAL_RANK" in env:  # torchrun
+        return _from_counts(
+            env, "torchrun", host, rank="RANK", size="WORLD_SIZE",
+            local_rank="LOCAL_RANK", local_size="LOCAL_WORLD_SIZE", node_rank="GROUP_RANK",
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:  # srun
+        return _from_counts(
+            env, "slurm", host, rank="SLURM_PROCID", size="SLURM_NTASKS",
+            local_rank="SLURM_LOCALID", local_size=None, node_rank="SLURM_NODEID",
+        )
+    return Topology(
+        rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1,
+        hostname=host, launcher="single",
+    )
+
+
+def _from_counts(
+    env: Mapping[str, str],
+    launcher: str,
+    host: str,
+    *,
+    rank: str,
+    size: str,
+    local_rank: str,
+    local_size: str | None,
+    node_rank: str | None,
+) -> Topology:
+    r = _int(env, rank)
+    n = _int(env, size)
+    lr = _int(env, local_rank) if local_rank in env else 0
+    if local_size is not None and local_size in env:
+        ls = _int(env, local_size)
+    elif launcher == "slurm" and "SLURM_TASKS_PER_NODE" in env:
+        ls = _slurm_local_size(env["SLURM_TASKS_PER_NODE"], env.get("SLURM_NODEID", "0"))
+    else:
+        ls = n if lr == r else max(lr + 1, 1)
+    cross_size = max(1, -(-n // ls))
+    cr = _int(env, node_rank) if node_rank is not None and node_rank in env else r // ls
+    return Topology(
+        rank=r, size=n, local_rank=lr, local_size=ls,
+        cross_rank=min(cr, cross_size - 1), cross_size=cross_size,
+        hostname=host, launcher=launcher,
+    )
+
+
+def _slurm_local_size(tasks_per_node: str, node_id: str) -> int:
+    """Expand Slurm's compressed ``SLURM_TASKS_PER_NODE`` (e.g. ``"2(x3),1"``)."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        if "(x" in part:
+            count, repeat = part.rstrip(")").split("(x")
+            counts.extend([int(count)] * int(repeat))
+        else:
+            counts.append(int(part))
+    index = int(node_id)
+    if not 0 <= index < len(counts):
+        raise TopologyError(f"SLURM_NODEID={node_id} but SLURM_TASKS_PER_NODE={tasks_per_node!r}")
+    return counts[index]

@@ -1,0 +1,88 @@
+"""One exception tree for hora.
+
+Every error hora raises on purpose derives from :class:`HoraError`.  They are
+plain classes with picklable state, because they cross process boundaries (the
+launcher reports a worker's failure, ``hora.run`` returns per-rank errors).
+
+``HoraError`` subclasses ``RuntimeError`` so code written for Horovod, which
+catches ``RuntimeError`` around collectives, keeps working unchanged.
+"""
+
+from __future__ import annotations
+
+
+class HoraError(RuntimeError):
+    """Root of every error hora raises on purpose."""
+
+
+class ConfigError(HoraError, ValueError):
+    """A knob, flag or environment variable has a value hora cannot use."""
+
+
+class NotInitializedError(HoraError, ValueError):
+    """A call needs ``hora.init()`` first."""
+
+
+class TopologyError(HoraError):
+    """Rank/size information is missing or inconsistent."""
+
+
+class BackendError(HoraError):
+    """A backend (MPI, gloo, NCCL) failed or is not available."""
+
+
+class MismatchError(HoraError, ValueError):
+    """Ranks submitted the same collective with different metadata.
+
+    Raised on every participating rank; the message names the tensor and the
+    value each rank submitted.
+    """
+
+
+class StallError(HoraError):
+    """A collective waited on missing ranks for longer than the stall deadline."""
+
+
+class ShutdownError(HoraError):
+    """The engine was shut down (locally or by another rank) with work pending."""
+
+
+class InternalError(HoraError):
+    """A collective failed in a way that leaves the job in an unknown state.
+
+    Elastic training catches this one to restore the last committed state.
+    ``hora.torch.HorovodInternalError`` is an alias of this class.
+    """
+
+
+class HostsUpdatedInterrupt(HoraError):
+    """The set of hosts changed; elastic training re-rendezvouses."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("the set of hosts changed")
+        self.skip_sync = skip_sync
+
+    def __reduce__(self):  # keep the flag across pickling
+        return (type(self), (self.skip_sync,))
+
+
+class UnsupportedError(HoraError, NotImplementedError):
+    """The operation exists in the API but is not supported in this configuration."""
+
+
+class LaunchError(HoraError):
+    """The launcher could not start or keep running the job."""
+
+
+class WorkerFailedError(LaunchError):
+    """A worker process exited with an error; carries the root cause."""
+
+    def __init__(self, rank: int, exitcode: int, host: str = "localhost", stderr_tail: str = "") -> None:
+        self.rank = rank
+        self.exitcode = exitcode
+        self.host = host
+        self.stderr_tail = stderr_tail
+        super().__init__(f"rank {rank} on {host} exited with code {exitcode}")
+
+    def __reduce__(self):
+        return (type(self), (self.rank, self.exitcode, self.host, self.stderr_tail))
