@@ -167,3 +167,38 @@ class EngineConfig:
 def environ() -> Mapping[str, str]:
     """The process environment, as a read-only snapshot for topology detection."""
     return dict(os.environ)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RendezvousConfig:
+    """Where the ranks of a gloo job meet, and which network they use.
+
+    ``hora run`` sets ``HORA_RENDEZVOUS_ADDR``/``PORT`` and rank 0 hosts the
+    store there; under torchrun the agent already hosts one at
+    ``MASTER_ADDR``/``MASTER_PORT``, so every rank connects as a client.
+    """
+
+    addr: str | None = None
+    port: int | None = None
+    host_store: bool = True  # rank 0 hosts the store (False under torchrun's agent store)
+    interface: str | None = None
+    secret: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RendezvousConfig:
+        env = os.environ if env is None else env
+        addr = _lookup(env, "HORA_RENDEZVOUS_ADDR")
+        port = _lookup(env, "HORA_RENDEZVOUS_PORT")
+        host_store = True
+        if addr is None and _lookup(env, "MASTER_ADDR") is not None:
+            addr, port = env["MASTER_ADDR"], _lookup(env, "MASTER_PORT")
+            host_store = (_lookup(env, "TORCHELASTIC_USE_AGENT_STORE") or "").lower() != "true"
+        if port is not None and not port.isdigit():
+            raise ConfigError(f"rendezvous port {port!r} is not a number")
+        return cls(
+            addr=addr,
+            port=int(port) if port is not None else None,
+            host_store=host_store,
+            interface=_lookup(env, "HORA_NETWORK_INTERFACE", "GLOO_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE"),
+            secret=_lookup(env, "HORA_SECRET"),
+        )

@@ -1,0 +1,130 @@
+"""hora's framework-neutral core: topology, backends, negotiation, execution.
+
+:func:`start_engine` is the one entry point the bindings use: it detects the
+topology, picks and connects the backends, and returns a running
+:class:`~hora.core.engine.Engine`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Mapping
+
+from hora.config import EngineConfig, RendezvousConfig, environ
+from hora.core.backends.base import Backend
+from hora.core.engine import Engine
+from hora.core.topology import Topology, detect
+from hora.errors import BackendError, ConfigError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Engine", "Topology", "start_engine", "choose_controller"]
+
+_generation = itertools.count()
+
+
+def choose_controller(config: EngineConfig, topology: Topology) -> str:
+    """``mpi`` when asked for or when mpirun started the job, else ``gloo``."""
+    if config.controller != "auto":
+        return config.controller
+    return "mpi" if topology.started_by_mpi else "gloo"
+
+
+def start_engine(config: EngineConfig | None = None, env: Mapping[str, str] | None = None) -> Engine:
+    """Connect to the other ranks and start the collective engine.
+
+    Args:
+        config: engine knobs; read from the environment when omitted.
+        env: environment mapping (tests pass their own).
+
+    Raises:
+        ConfigError, BackendError, TopologyError: with what to change.
+    """
+    env = environ() if env is None else env
+    config = EngineConfig.from_env(env) if config is None else config
+    topology = detect(env)
+    controller_name = choose_controller(config, topology)
+    generation = next(_generation)
+    store = None
+    if controller_name == "mpi":
+        controller = _mpi_controller(topology)
+    else:
+        controller, store = _gloo_controller(topology, config, RendezvousConfig.from_env(env), generation)
+    data_backends: dict[str, Backend] = {}
+    nccl = _maybe_nccl(controller, store, config, generation)
+    if nccl is not None:
+        data_backends["cuda"] = nccl
+    log.debug("hora engine: rank %d/%d, controller %s", controller.rank, controller.size, controller.name)
+    return Engine(topology, config, controller, data_backends)
+
+
+def _mpi_controller(topology: Topology) -> Backend:
+    from hora.core.backends.mpi import MPIBackend
+
+    backend = MPIBackend()
+    if topology.launcher == "hora" and backend.size != topology.size:
+        raise ConfigError(
+            f"HORA_CONTROLLER=mpi but MPI sees {backend.size} process(es) while the launcher started "
+            f"{topology.size}: launch with `hora run --mpi` (or mpirun) to use the MPI controller"
+        )
+    return backend
+
+
+def _gloo_controller(topology: Topology, config: EngineConfig, rdv: RendezvousConfig, generation: int):
+    import torch.distributed as dist
+
+    from hora.core.backends.torch_dist import GlooBackend, connect_store
+
+    if topology.size == 1 and rdv.addr is None:
+        store = dist.HashStore()
+        hostname = "127.0.0.1"
+    else:
+        if rdv.addr is None or rdv.port is None:
+            raise ConfigError(
+                f"rank {topology.rank} of {topology.size} has no rendezvous address for gloo: launch with "
+                "`hora run`, or set HORA_RENDEZVOUS_ADDR/HORA_RENDEZVOUS_PORT (or MASTER_ADDR/MASTER_PORT), "
+                "or use the MPI controller under mpirun"
+            )
+        store = connect_store(
+            rdv.addr, rdv.port, topology.rank, topology.size,
+            is_master=rdv.host_store and topology.rank == 0, timeout_s=config.start_timeout_seconds,
+        )
+        hostname = "127.0.0.1" if rdv.addr in ("127.0.0.1", "localhost") and not rdv.interface else None
+    backend = GlooBackend(
+        store, topology.rank, topology.size, prefix=f"hora/g{generation}",
+        timeout_s=max(config.start_timeout_seconds, 300.0), interface=rdv.interface, hostname=hostname,
+    )
+    return backend, store
+
+
+def _maybe_nccl(controller: Backend, store, config: EngineConfig, generation: int) -> Backend | None:
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover
+        return None
+    if not torch.cuda.is_available() or not dist.is_nccl_available():
+        return None
+    from hora.core.backends.torch_dist import NCCLBackend, connect_store
+
+    if store is None:  # MPI controller: make a store for NCCL's bootstrap, port shared over MPI
+        import socket
+
+        if controller.rank == 0:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+            addr = socket.gethostbyname(socket.gethostname())
+            msg = f"{addr}:{port}".encode()
+        else:
+            msg = b""
+        addr, port_s = controller.allgather_bytes(msg)[0].decode().split(":")
+        store = connect_store(addr, int(port_s), controller.rank, controller.size, controller.rank == 0,
+                              config.start_timeout_seconds)
+    try:
+        return NCCLBackend(store, controller.rank, controller.size, prefix=f"hora/nccl{generation}",
+                           timeout_s=max(config.start_timeout_seconds, 300.0))
+    except BackendError as e:
+        log.warning("NCCL unavailable, CUDA tensors will fail: %s", e)
+        return None

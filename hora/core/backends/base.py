@@ -1,0 +1,121 @@
+"""The interface every collective backend implements.
+
+A backend moves bytes; the engine decides what to move.  All calls come from
+the engine's background thread, one at a time, on flat contiguous CPU (or,
+for NCCL, CUDA) tensors.  ``group`` arguments are the backend's own handle
+for a process set, made by :meth:`Backend.new_group`; ``None`` is the global
+set.  Roots and counts are indexed by rank *within* the group.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from hora.core.ops import ReduceOp
+
+#: dtypes a backend reduces natively; the engine converts others first.
+ARITHMETIC_DTYPES = frozenset({torch.uint8, torch.int8, torch.int32, torch.int64, torch.float32, torch.float64})
+
+
+class Backend(abc.ABC):
+    """A collective engine (MPI, gloo, NCCL) bound to one set of processes."""
+
+    name: str = "?"
+    #: dtypes this backend can reduce without conversion.
+    reduce_dtypes: frozenset[torch.dtype] = ARITHMETIC_DTYPES
+    #: tensors at least this many bytes are reduced in place rather than fused.
+    direct_threshold_bytes: int = 1 << 20
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank = rank
+        self.size = size
+
+    # --- control plane (global group, negotiation) -----------------------------------
+    @abc.abstractmethod
+    def negotiate(self, vector: np.ndarray, poll: Callable[[float], None]) -> np.ndarray:
+        """Sum an int64 vector over all ranks, calling ``poll(waited_s)`` while waiting.
+
+        ``poll`` may raise to abandon the wait (stall deadline, shutdown);
+        it is how a round that other ranks never join is reported instead of
+        hanging.
+        """
+
+    @abc.abstractmethod
+    def allgather_bytes(self, data: bytes) -> list[bytes]:
+        """Gather one byte string from every rank, in rank order."""
+
+    # --- data plane ------------------------------------------------------------------
+    @abc.abstractmethod
+    def allreduce_(self, buf: torch.Tensor, op: ReduceOp, group: Any = None) -> None:
+        """Reduce ``buf`` in place across the group (op is SUM, MIN, MAX or PRODUCT)."""
+
+    @abc.abstractmethod
+    def allgatherv(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int], group: Any = None) -> None:
+        """Concatenate every rank's ``send`` (``counts[r]`` elements) into ``recv``."""
+
+    @abc.abstractmethod
+    def broadcast_(self, buf: torch.Tensor, root: int, group: Any = None) -> None:
+        """Overwrite ``buf`` on every rank with the root's."""
+
+    @abc.abstractmethod
+    def alltoallv(
+        self,
+        send: torch.Tensor,
+        send_counts: Sequence[int],
+        recv: torch.Tensor,
+        recv_counts: Sequence[int],
+        group: Any = None,
+    ) -> None:
+        """Send ``send_counts[r]`` elements to rank r, receive ``recv_counts[r]`` from it."""
+
+    @abc.abstractmethod
+    def reduce_scatterv(
+        self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int], op: ReduceOp, group: Any = None
+    ) -> None:
+        """Reduce ``send`` across the group; rank r keeps block r (``counts[r]`` elements)."""
+
+    # --- groups and lifetime ---------------------------------------------------------
+    @abc.abstractmethod
+    def new_group(self, ranks: Sequence[int], group_id: int) -> Any:
+        """Create the backend's communicator for a process set (collective over all ranks)."""
+
+    def free_group(self, group: Any) -> None:  # noqa: B027 - optional hook
+        """Release a process set's communicator."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Release the backend's resources; the process may init a new backend afterwards."""
+
+    def supports_device(self, device: torch.device) -> bool:
+        return device.type == "cpu"
+
+
+def wait_with_backoff(is_done: Callable[[], bool], poll: Callable[[float], None]) -> None:
+    """Wait for ``is_done()`` without burning a core.
+
+    Spins briefly (a negotiation round usually completes within microseconds
+    when every rank is ready), then sleeps in growing steps up to 1 ms, so a
+    rank waiting for a slower peer leaves the CPU to the training thread.
+    """
+    if is_done():
+        return
+    start = time.perf_counter()
+    spin_until = start + 50e-6
+    while time.perf_counter() < spin_until:
+        if is_done():
+            return
+    delay = 20e-6
+    next_poll = start + 0.1
+    while not is_done():
+        time.sleep(delay)
+        delay = min(delay * 2, 1e-3)
+        now = time.perf_counter()
+        if now >= next_poll:
+            poll(now - start)
+            next_poll = now + 0.1

@@ -1,0 +1,440 @@
+"""The collective engine: a background thread that negotiates and executes.
+
+Callers submit :class:`~hora.core.request.Request` objects and get a
+:class:`~hora.core.request.Handle` back at once.  The engine's thread works
+in rounds (see :mod:`hora.core.negotiation`): it runs a round as soon as it
+has work, so a synchronous collective pays no cycle-time floor; after a round
+in which nothing was ready everywhere it waits ``cycle_time_ms`` (or for new
+work) before trying again; with nothing to do it checks in with the other
+ranks only every ``idle_tick_s``, which keeps stall reports and shutdown
+working without burning CPU.
+
+The engine is an object, not module state: ``init()`` -> ``shutdown()`` ->
+``init()`` builds a fresh one, which elastic training relies on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+import msgpack
+import numpy as np
+
+from hora.config import EngineConfig
+from hora.core.backends.base import Backend
+from hora.core.executor import Executor
+from hora.core.negotiation import (
+    HEADER,
+    SLOT_JOINED,
+    SLOT_PHASE2,
+    SLOT_SHUTDOWN,
+    NameCache,
+    Ready,
+    resolve,
+)
+from hora.core.ops import CollectiveType
+from hora.core.process_sets import ProcessSetState
+from hora.core.request import Handle, Request
+from hora.core.topology import Topology
+from hora.errors import (
+    BackendError,
+    ConfigError,
+    HoraError,
+    InternalError,
+    ShutdownError,
+    StallError,
+)
+
+log = logging.getLogger(__name__)
+
+_CONTROL = (CollectiveType.JOIN, CollectiveType.ADD_PROCESS_SET, CollectiveType.REMOVE_PROCESS_SET)
+
+
+class _Abandon(Exception):
+    """Raised from inside a negotiation wait to give up on the round."""
+
+
+class Engine:
+    """Negotiates and executes collectives for one process.
+
+    Args:
+        topology: this process's place in the job.
+        config: engine knobs.
+        controller: the CPU backend used for negotiation and CPU tensors.
+        data_backends: extra backends by device type (``{"cuda": nccl}``).
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        config: EngineConfig,
+        controller: Backend,
+        data_backends: Mapping[str, Backend] | None = None,
+    ) -> None:
+        self.topology = topology
+        self.config = config
+        self.controller = controller
+        self.rank = controller.rank
+        self.size = controller.size
+        self._backends: dict[str, Backend] = {"cpu": controller, **(data_backends or {})}
+        self.process_sets: dict[int, ProcessSetState] = {0: ProcessSetState(0, tuple(range(self.size)))}
+        self._next_pset_id = 1
+        self._cache = NameCache(config.cache_capacity)
+        self._executor = Executor(
+            self.rank, self._backend_for, self.process_sets, config.fusion_threshold_bytes,
+            config.direct_threshold_bytes,
+        )
+        self._cv = threading.Condition()
+        self._incoming: list[Request] = []
+        self._pending: dict[str, Request] = {}
+        self._in_flight: set[str] = set()
+        self._join_handle: Handle | None = None
+        self._joined_ranks: set[int] = set()
+        self._shutdown_requested = False
+        self._failure: HoraError | None = None
+        self._stopped = threading.Event()
+        self._last_progress = True
+        self._warned_at = 0.0
+        self.idle_tick_s = 0.5
+        self.rounds = 0
+        self._thread = threading.Thread(target=self._main, name=f"hora-engine-{self.rank}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ API
+    def submit(self, request: Request) -> Handle:
+        """Queue a request; returns its handle immediately.
+
+        Raises:
+            ShutdownError: the engine has stopped (locally, on another rank,
+                or after a failure), naming the cause.
+            ValueError: a request with the same name is still in flight.
+        """
+        with self._cv:
+            if self._failure is not None:
+                raise self._failure
+            if self._stopped.is_set() or self._shutdown_requested:
+                raise ShutdownError(
+                    "hora has been shut down: a rank called shutdown() or exited, or an earlier error "
+                    "stopped the engine. Call hora init() again before submitting collectives."
+                )
+            if request.kind not in _CONTROL:
+                if request.name in self._in_flight:
+                    raise _DuplicateName(
+                        f"a collective named {request.name!r} is already in flight on rank {self.rank}; "
+                        "names must be unique until the previous one completes (wait on its handle first)"
+                    )
+                self._in_flight.add(request.name)
+            self._incoming.append(request)
+            self._cv.notify()
+        return request.handle
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine on every rank; pending requests fail with ShutdownError.
+
+        The other ranks join the final round within their idle tick.  If they
+        never do (a dead peer), the engine is abandoned after ``timeout``.
+        """
+        with self._cv:
+            self._shutdown_requested = True
+            self._cv.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("hora engine did not stop within %.0f s (another rank may be gone); abandoning it",
+                            timeout)
+        self._teardown_backends()
+
+    @property
+    def running(self) -> bool:
+        return not self._stopped.is_set()
+
+    def backend_for(self, device: str) -> Backend:
+        return self._backend_for(device)
+
+    # ------------------------------------------------------------- the loop
+    def _main(self) -> None:
+        try:
+            while True:
+                self._wait_for_work()
+                if not self._round():
+                    break
+        except _Abandon as e:
+            self._fail_everything(e.args[0] if e.args else StallError("negotiation abandoned"))
+        except HoraError as e:
+            log.error("hora engine stopped on rank %d: %s", self.rank, e)
+            self._fail_everything(e)
+        except Exception as e:  # a backend failure: the job's state is unknown
+            err = InternalError(f"hora engine failed on rank {self.rank}: {type(e).__name__}: {e}")
+            err.__cause__ = e
+            log.error("%s", err)
+            self._fail_everything(err)
+        finally:
+            self._stopped.set()
+
+    def _wait_for_work(self) -> None:
+        deadline = time.monotonic() + (self.config.cycle_time_ms / 1000.0 if self._pending else self.idle_tick_s)
+        with self._cv:
+            while True:
+                if self._incoming:
+                    for req in self._incoming:
+                        if req.kind == CollectiveType.JOIN:
+                            self._join_handle = req.handle
+                        else:
+                            self._pending[req.name] = req
+                    self._incoming.clear()
+                    return
+                if self._shutdown_requested:
+                    return
+                if (self._pending or self._join_handle) and self._last_progress:
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self._cv.wait(remaining)
+
+    def _round(self) -> bool:
+        """One negotiation round and the execution of what became ready.
+
+        Returns False once the engine should stop.
+        """
+        self.rounds += 1
+        cache, rank = self._cache, self.rank
+        vector = np.zeros(HEADER + len(cache), np.int64)
+        announce: dict[str, bytes] = {}
+        signatures: dict[str, bytes] = {}
+        for name, req in self._pending.items():
+            sig = req.signature_bytes()
+            signatures[name] = sig
+            slot = cache.lookup(name, sig, rank)
+            if slot is None:
+                announce[name] = sig
+            else:
+                vector[HEADER + slot] = 1
+        joined = self._join_handle is not None
+        if joined:
+            for entry in cache.by_id:
+                if rank in self.process_sets.get(entry.process_set, ()):
+                    vector[HEADER + entry.id] = 1
+            vector[SLOT_JOINED] = 1
+        diagnose = self._stall_check_due()
+        if announce or joined or diagnose:
+            vector[SLOT_PHASE2] = 1
+        if self._shutdown_requested:
+            vector[SLOT_SHUTDOWN] = 1
+
+        totals = self.controller.negotiate(vector, self._poll_wait)
+
+        if totals[SLOT_SHUTDOWN] > 0:
+            who = "this rank" if self._shutdown_requested else "another rank"
+            self._fail_everything(ShutdownError(
+                f"hora was shut down by {who} while this collective was pending; every rank must submit "
+                "the same collectives before shutdown()"))
+            return False
+
+        announcements = None
+        newly_joined: set[int] = set()
+        if totals[SLOT_PHASE2] > 0:
+            message = {"a": announce, "j": joined}
+            if diagnose:
+                now = time.monotonic()
+                message["p"] = {n: now - r.submitted_at for n, r in self._pending.items()}
+            infos = [msgpack.unpackb(b) for b in self.controller.allgather_bytes(msgpack.packb(message))]
+            announcements = [info["a"] for info in infos]
+            newly_joined = {r for r, info in enumerate(infos) if info["j"]} - self._joined_ranks
+            self._joined_ranks |= newly_joined
+            if any("p" in info for info in infos):
+                self._report_stall(infos)
+        elif not joined:
+            self._joined_ranks.clear()
+
+        members = {pid: ps.ranks for pid, ps in self.process_sets.items()}
+        ready = resolve(cache, totals, announcements, self._joined_ranks, members, self.size)
+        self._last_progress = bool(ready)
+        self._execute(ready)
+
+        if totals[SLOT_JOINED] == self.size:
+            last = max(newly_joined or self._joined_ranks or {self.rank})
+            self._joined_ranks.clear()
+            handle, self._join_handle = self._join_handle, None
+            if handle is not None:
+                handle.set_result(last)
+            self._last_progress = True
+        return True
+
+    def _execute(self, ready: Sequence[Ready]) -> None:
+        items: list[tuple[Ready, Request | None]] = []
+        for r in ready:
+            request = self._pending.pop(r.name, None)
+            if request is not None:
+                with self._cv:
+                    self._in_flight.discard(r.name)
+            if r.error is not None:
+                if request is not None:
+                    request.handle.set_error(r.error)
+                continue
+            if self.rank not in self.process_sets[r.process_set].ranks:
+                continue
+            kind = r.first().kind
+            if kind in (CollectiveType.ADD_PROCESS_SET, CollectiveType.REMOVE_PROCESS_SET):
+                self._run_control(kind, r, request)
+                continue
+            if request is None and self._join_handle is not None and kind not in (
+                CollectiveType.ALLREDUCE, CollectiveType.ALLGATHER, CollectiveType.BARRIER
+            ):
+                log.warning("rank %d has joined and cannot take part in %s of %r", self.rank, kind.label, r.name)
+            items.append((r, request))
+        if items:
+            try:
+                self._executor.run(items)
+            except HoraError as e:
+                for _, request in items:
+                    if request is not None and not request.handle.done():
+                        request.handle.set_error(e)
+                if not isinstance(e, (ConfigError, ValueError, NotImplementedError)):
+                    raise
+
+    # ----------------------------------------------------- process sets
+    def _run_control(self, kind: CollectiveType, ready: Ready, request: Request | None) -> None:
+        sig = ready.first()
+        if kind == CollectiveType.ADD_PROCESS_SET:
+            ranks = tuple(sig.tensors[0][1])  # the ranks travel as the "shape" of the request
+            existing = next((p for p in self.process_sets.values() if p.ranks == ranks), None)
+            if existing is not None:
+                error = ValueError(f"a process set with ranks {list(ranks)} is already registered "
+                                   f"(id {existing.id})")
+                if request is not None:
+                    request.handle.set_error(ConfigError(str(error)))
+                return
+            pset = ProcessSetState(self._next_pset_id, ranks)
+            self._next_pset_id += 1
+            for backend in self._backends.values():
+                pset.groups[backend.name] = backend.new_group(ranks, pset.id)
+            self.process_sets[pset.id] = pset
+            if request is not None:
+                request.handle.set_result(pset.id)
+        else:
+            pid = sig.root
+            pset = self.process_sets.pop(pid, None)
+            if pset is not None:
+                for backend in self._backends.values():
+                    backend.free_group(pset.groups.get(backend.name))
+            if request is not None:
+                request.handle.set_result(pset is not None)
+
+    # ------------------------------------------------------------ stalls
+    def _stall_check_due(self) -> bool:
+        limit = self.config.stall_check_seconds
+        if not limit or not self._pending:
+            return False
+        now = time.monotonic()
+        oldest = min(r.submitted_at for r in self._pending.values())
+        if now - oldest < limit or now - self._warned_at < limit:
+            return False
+        self._warned_at = now
+        return True
+
+    def _report_stall(self, infos: list[dict]) -> None:
+        """Name the ranks that have not submitted what others wait for; raise past the deadline."""
+        waiting: dict[str, tuple[set[int], float]] = {}
+        for r, info in enumerate(infos):
+            for name, age in (info.get("p") or {}).items():
+                ranks, oldest = waiting.get(name, (set(), 0.0))
+                ranks.add(r)
+                waiting[name] = (ranks, max(oldest, age))
+        lines = []
+        worst = 0.0
+        for name, (ranks, age) in sorted(waiting.items()):
+            pset = self._pset_of_pending(name)
+            missing = sorted(set(pset) - ranks - self._joined_ranks)
+            if missing:
+                worst = max(worst, age)
+                lines.append(f"  {name!r}: submitted by ranks {sorted(ranks)}, missing ranks {missing} "
+                             f"(waiting {age:.0f} s)")
+        if not lines:
+            return
+        deadline = self.config.stall_shutdown_seconds
+        if self.rank == 0 or any(self.rank in ranks for ranks, _ in waiting.values()):
+            log.warning(
+                "hora: one or more collectives were submitted by some ranks but not others for more than "
+                "%.0f s; the missing ranks are probably on a different code path:\n%s",
+                self.config.stall_check_seconds, "\n".join(lines),
+            )
+        if deadline and worst >= deadline:
+            raise _Abandon(StallError(
+                f"collectives stalled for more than the stall deadline ({deadline:.0f} s, "
+                "HORA_STALL_SHUTDOWN_TIME_SECONDS):\n" + "\n".join(lines)))
+
+    def _pset_of_pending(self, name: str) -> Sequence[int]:
+        req = self._pending.get(name)
+        pid = req.process_set_id if req is not None else 0
+        entry = self._cache.by_name.get(name)
+        if entry is not None:
+            pid = entry.process_set
+        pset = self.process_sets.get(pid)
+        return pset.ranks if pset else range(self.size)
+
+    def _poll_wait(self, waited: float) -> None:
+        """Called while a negotiation round waits for other ranks."""
+        deadline = self.config.stall_shutdown_seconds
+        if self._shutdown_requested and waited > 10.0:
+            raise _Abandon(ShutdownError(
+                f"shutdown() gave up after {waited:.0f} s: other ranks did not join the final round"))
+        if deadline and waited > deadline:
+            names = sorted(self._pending)[:8]
+            raise _Abandon(StallError(
+                f"rank {self.rank} waited {waited:.0f} s for the other ranks to negotiate {names}; they never "
+                "answered (a rank may have died or be stuck outside hora). Deadline: "
+                "HORA_STALL_SHUTDOWN_TIME_SECONDS"))
+        check = self.config.stall_check_seconds
+        if check and waited > check and time.monotonic() - self._warned_at > check:
+            self._warned_at = time.monotonic()
+            log.warning("hora: rank %d has waited %.0f s for other ranks to negotiate %s", self.rank, waited,
+                        sorted(self._pending)[:8])
+
+    # ---------------------------------------------------------- teardown
+    def _fail_everything(self, error: HoraError) -> None:
+        with self._cv:
+            if not isinstance(error, ShutdownError):
+                self._failure = error
+            pending = list(self._pending.values()) + list(self._incoming)
+            self._pending.clear()
+            self._incoming.clear()
+            self._in_flight.clear()
+            join, self._join_handle = self._join_handle, None
+        for req in pending:
+            if not req.handle.done():
+                req.handle.set_error(error)
+        if join is not None:
+            join.set_error(error)
+        self._stopped.set()
+
+    def _teardown_backends(self) -> None:
+        if self._thread.is_alive():
+            return  # the thread may still be inside the backend
+        for pset in list(self.process_sets.values())[1:]:
+            for backend in self._backends.values():
+                backend.free_group(pset.groups.get(backend.name))
+        for backend in self._backends.values():
+            try:
+                backend.shutdown()
+            except BackendError as e:
+                log.debug("backend shutdown: %s", e)
+        self._backends.clear()
+
+    def _backend_for(self, device: str) -> Backend:
+        backend = self._backends.get(device)
+        if backend is None:
+            raise ConfigError(
+                f"no hora backend handles {device} tensors in this job "
+                f"(available: {sorted(self._backends)}); move the tensor to the CPU or enable NCCL"
+            )
+        return backend
+
+
+class _DuplicateName(HoraError, ValueError):
+    pass
+
+

@@ -1,0 +1,119 @@
+"""Requests submitted to the engine and the handles returned for them."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any
+
+import torch
+
+from hora.core.ops import CollectiveType, ReduceOp
+from hora.errors import HoraError
+
+
+@dataclasses.dataclass(slots=True)
+class Entry:
+    """One tensor of a request: its input and where its result goes.
+
+    ``output`` is ``None`` when the engine allocates the result (allgather,
+    alltoall, reducescatter, whose output shape depends on other ranks).
+    """
+
+    input: torch.Tensor
+    output: torch.Tensor | None
+    splits: list[int] | None = None  # alltoall only: rows sent to each rank
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Request:
+    """A named collective on one or more tensors (more than one: a grouped op).
+
+    A grouped request is negotiated and executed as a unit: it runs only when
+    every one of its tensors is ready on every rank.
+    """
+
+    name: str
+    kind: CollectiveType
+    entries: list[Entry]
+    process_set_id: int = 0
+    op: ReduceOp = ReduceOp.SUM
+    root: int = -1
+    prescale: float = 1.0
+    postscale: float = 1.0
+    payload: Any = None  # control requests (process-set ranks, ...)
+    sig_bytes: bytes | None = None
+    handle: Handle = dataclasses.field(init=False)
+    submitted_at: float = dataclasses.field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.handle = Handle(self)
+
+    def signature_bytes(self) -> bytes:
+        """What this rank submitted, as compared across ranks during negotiation.
+
+        Dtypes and shapes of every tensor, the operator, root, scale factors,
+        process set, device and alltoall splits, encoded once and reused every
+        round the request waits.
+        """
+        if self.sig_bytes is None:
+            from hora.core.negotiation import Signature
+
+            if self.kind == CollectiveType.ADD_PROCESS_SET:
+                tensors: tuple = (("int64", tuple(self.payload), ()),)
+            else:
+                tensors = tuple(
+                    (str(e.input.dtype).removeprefix("torch."), tuple(e.input.shape), tuple(e.splits or ()))
+                    for e in self.entries
+                )
+            device = self.entries[0].input.device.type if self.entries else "cpu"
+            self.sig_bytes = Signature(
+                self.kind, tensors, self.op, self.root, float(self.prescale), float(self.postscale),
+                self.process_set_id, device,
+            ).encode()
+        return self.sig_bytes
+
+
+class Handle:
+    """An in-flight request; ``wait()`` returns its outputs or raises its error."""
+
+    __slots__ = ("_request", "_event", "_result", "_error", "__weakref__")
+
+    def __init__(self, request: Request) -> None:
+        self._request = request
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    @property
+    def name(self) -> str:
+        return self._request.name
+
+    @property
+    def request(self) -> Request:
+        return self._request
+
+    def done(self) -> bool:
+        """True once the request completed or failed; never blocks."""
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the request finishes; return its result or raise its error."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"collective {self.name!r} did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def set_result(self, result: Any) -> None:
+        self._result = result
+        self._event.set()
+
+    def set_error(self, error: BaseException) -> None:
+        if not isinstance(error, HoraError):
+            wrapped = HoraError(f"collective {self.name!r} failed: {error}")
+            wrapped.__cause__ = error
+            error = wrapped
+        self._error = error
+        self._event.set()

@@ -1,0 +1,205 @@
+"""The process-wide runtime behind ``hvd.init()``: lifecycle, topology, process sets.
+
+Framework bindings share this module, so ``hora.torch`` and a future
+``hora.keras`` in the same process see one engine.  The state lives in one
+:class:`Runtime` object that ``shutdown()`` discards, so ``init()`` ->
+``shutdown()`` -> ``init()`` starts from scratch every time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from hora.config import EngineConfig
+from hora.core.engine import Engine
+from hora.core.ops import CollectiveType
+from hora.core.process_sets import normalize_ranks
+from hora.core.request import Handle, Request
+from hora.errors import ConfigError, NotInitializedError
+
+log = logging.getLogger(__name__)
+
+
+class ProcessSet:
+    """A subset of ranks that runs collectives among themselves (Horovod's ``ProcessSet``).
+
+    Create one with a list of global ranks and register it with
+    :func:`add_process_set` (or pass it to ``init(process_sets=...)``).
+    """
+
+    def __init__(self, ranks: Sequence[int] | Any) -> None:
+        if hasattr(ranks, "Get_group"):  # an mpi4py communicator
+            ranks = _ranks_of_comm(ranks)
+        self.ranks: list[int] | None = sorted(int(r) for r in ranks) if ranks is not None else None
+        self.process_set_id: int | None = None
+
+    def _require_registered(self) -> None:
+        if self.process_set_id is None:
+            raise ConfigError(f"process set {self.ranks} is not registered: call hvd.add_process_set() first")
+
+    def size(self) -> int | None:
+        """Number of ranks in the set (None before registration, as in Horovod)."""
+        return None if self.ranks is None else len(self.ranks)
+
+    def rank(self) -> int | None:
+        """This process's rank inside the set, or None if it is not a member."""
+        if self.ranks is None:
+            return None
+        me = current().engine.rank
+        return self.ranks.index(me) if me in self.ranks else None
+
+    def included(self) -> bool | None:
+        """True when this process belongs to the set."""
+        if self.ranks is None:
+            return None
+        return current().engine.rank in self.ranks
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ProcessSet) and (self.process_set_id, self.ranks) == (
+            other.process_set_id, other.ranks)
+
+    def __hash__(self) -> int:
+        return hash((self.process_set_id, tuple(self.ranks or ())))
+
+    def __repr__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+
+
+def _ranks_of_comm(comm: Any) -> list[int]:
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD.Get_group()
+    mine = comm.Get_group()
+    return list(MPI.Group.Translate_ranks(mine, list(range(mine.Get_size())), world))
+
+
+global_process_set = ProcessSet([])
+global_process_set.process_set_id = 0
+global_process_set.ranks = None  # filled at init()
+
+
+class Runtime:
+    """One initialised hora: the engine plus the registered process sets."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.process_sets: dict[int, ProcessSet] = {0: global_process_set}
+        self._names = itertools.count()
+
+    def auto_name(self, kind: str) -> str:
+        return f"{kind}.noname.{next(self._names)}"
+
+    def submit(self, request: Request) -> Handle:
+        return self.engine.submit(request)
+
+
+_lock = threading.RLock()
+_runtime: Runtime | None = None
+
+
+def init(
+    comm: Any = None,
+    process_sets: Sequence[ProcessSet] | str | None = None,
+    config: EngineConfig | None = None,
+) -> None:
+    """Start hora in this process (idempotent while running).
+
+    Args:
+        comm: accepted for Horovod compatibility: an mpi4py communicator or a
+            list of ranks.  Only ``None`` or the full world is supported.
+        process_sets: process sets to register right away, or ``"dynamic"``.
+        config: engine knobs; defaults come from the environment.
+    """
+    global _runtime
+    with _lock:
+        if _runtime is not None and _runtime.engine.running:
+            return
+        if comm is not None and not (isinstance(comm, list) and not comm):
+            ranks = _ranks_of_comm(comm) if hasattr(comm, "Get_group") else list(comm)
+            from hora.core import start_engine as _start
+
+            engine = _start(config)
+            if sorted(ranks) != list(range(engine.size)):
+                engine.shutdown()
+                raise ConfigError("init(comm=...) with a sub-communicator is not supported; use process sets")
+        else:
+            from hora.core import start_engine as _start
+
+            engine = _start(config)
+        _runtime = Runtime(engine)
+        global_process_set.ranks = list(range(engine.size))
+        if isinstance(process_sets, Sequence) and not isinstance(process_sets, str):
+            for ps in process_sets:
+                add_process_set(ps)
+
+
+def shutdown() -> None:
+    """Stop the engine on every rank.  Safe to call twice or before init()."""
+    global _runtime
+    with _lock:
+        rt, _runtime = _runtime, None
+        if rt is None:
+            return
+        for ps in rt.process_sets.values():
+            if ps is not global_process_set:
+                ps.process_set_id = None
+        rt.engine.shutdown()
+
+
+def is_initialized() -> bool:
+    return _runtime is not None and _runtime.engine.running
+
+
+def current() -> Runtime:
+    """The running runtime.
+
+    Raises:
+        NotInitializedError: ``init()`` has not been called (or shutdown()
+            has), in words a user can act on.
+    """
+    rt = _runtime
+    if rt is None:
+        raise NotInitializedError("hora has not been initialized; call hvd.init() first")
+    return rt
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a process set on every rank (a collective: all ranks must call it in the same order)."""
+    rt = current()
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if ps.process_set_id is not None:
+        raise ConfigError(f"{ps} is already registered")
+    ranks = normalize_ranks(ps.ranks or [], rt.engine.size)
+    request = Request(rt.auto_name("process_set.add"), CollectiveType.ADD_PROCESS_SET, [], payload=ranks)
+    ps.process_set_id = rt.submit(request).wait()
+    ps.ranks = list(ranks)
+    rt.process_sets[ps.process_set_id] = ps
+    return ps
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Deregister a process set on every rank; returns False if it was not registered."""
+    rt = current()
+    if process_set.process_set_id in (None, 0):
+        return False
+    request = Request(rt.auto_name("process_set.remove"), CollectiveType.REMOVE_PROCESS_SET, [],
+                      root=process_set.process_set_id)
+    removed = rt.submit(request).wait()
+    rt.process_sets.pop(process_set.process_set_id, None)
+    process_set.process_set_id = None
+    return bool(removed)
+
+
+def _atexit() -> None:
+    try:
+        shutdown()
+    except Exception as e:  # pragma: no cover - interpreter teardown
+        log.debug("shutdown at exit: %s", e)
+
+
+atexit.register(_atexit)

@@ -1,0 +1,396 @@
+"""Horovod's torch collectives (``horovod.torch.mpi_ops``) on hora's engine.
+
+Every function here only checks its arguments, wraps tensors into a
+:class:`~hora.core.request.Request` and hands it to the engine; the
+synchronous forms wait on the handle.  Async forms return an integer handle
+for :func:`poll` and :func:`synchronize`, as Horovod does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from hora.core import runtime
+from hora.core.ops import CollectiveType, ReduceOp
+from hora.core.request import Entry, Handle, Request
+from hora.core.runtime import ProcessSet, global_process_set
+from hora.errors import ConfigError, UnsupportedError
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Adasum = ReduceOp.ADASUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+
+_SUPPORTED = {
+    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
+}
+
+# Horovod hands out integer handles; keep the mapping to engine handles here.
+_handles: dict[int, tuple[Handle, Callable[[Any], Any]]] = {}
+_handle_ids = itertools.count(1)
+_handles_lock = threading.Lock()
+
+
+def _register(handle: Handle, finish: Callable[[Any], Any]) -> int:
+    with _handles_lock:
+        hid = next(_handle_ids)
+        _handles[hid] = (handle, finish)
+    return hid
+
+
+def poll(handle: int) -> bool:
+    """True when the async operation behind ``handle`` has finished (never blocks)."""
+    with _handles_lock:
+        entry = _handles.get(handle)
+    if entry is None:
+        raise ValueError(f"handle {handle} is unknown or was already synchronized")
+    return entry[0].done()
+
+
+def synchronize(handle: int) -> Any:
+    """Wait for an async operation and return its output tensor(s).
+
+    Raises:
+        HoraError: the collective failed on this or another rank (mismatched
+            shapes, shutdown, stall deadline); the message says which.
+    """
+    with _handles_lock:
+        entry = _handles.pop(handle, None)
+    if entry is None:
+        raise ValueError(f"handle {handle} is unknown or was already synchronized")
+    engine_handle, finish = entry
+    return finish(engine_handle.wait())
+
+
+def _check_tensor(tensor: torch.Tensor, what: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in _SUPPORTED:
+        raise TypeError(
+            f"{what} does not support dtype {tensor.dtype}; supported: "
+            + ", ".join(sorted(str(d).removeprefix("torch.") for d in _SUPPORTED))
+        )
+    if tensor.is_sparse:
+        raise UnsupportedError(f"{what} of a sparse tensor: call .to_dense() first, or use sparse_as_dense=True")
+
+
+def _resolve_op(average: bool | None, op: ReduceOp | None, default: ReduceOp = Average) -> ReduceOp:
+    if average is not None and op is not None:
+        raise ValueError("average and op are mutually exclusive; pass only op=")
+    if op is None:
+        op = default if average is None else (Average if average else Sum)
+    op = ReduceOp(op)
+    if op == Adasum:
+        raise UnsupportedError("op=hvd.Adasum is not supported by hora yet; use hvd.Average or hvd.Sum")
+    return op
+
+
+def _pset_id(process_set: ProcessSet | None) -> int:
+    ps = global_process_set if process_set is None else process_set
+    if ps.process_set_id is None:
+        raise ConfigError(f"{ps} is not registered: call hvd.add_process_set() on every rank first")
+    return ps.process_set_id
+
+
+def _submit(
+    kind: CollectiveType, entries: list[Entry], name: str | None, *, op: ReduceOp = Sum, root: int = -1,
+    prescale: float = 1.0, postscale: float = 1.0, process_set: ProcessSet | None = None,
+) -> Handle:
+    rt = runtime.current()
+    request = Request(
+        name or rt.auto_name(kind.label), kind, entries, process_set_id=_pset_id(process_set), op=op, root=root,
+        prescale=float(prescale), postscale=float(postscale),
+    )
+    if entries and entries[0].input.is_cuda:
+        torch.cuda.current_stream(entries[0].input.device).synchronize()
+    return rt.submit(request)
+
+
+# ------------------------------------------------------------------ allreduce
+def _allreduce_entries(tensors: Sequence[torch.Tensor], inplace: bool, op: ReduceOp, what: str) -> list[Entry]:
+    entries = []
+    for t in tensors:
+        _check_tensor(t, what)
+        if t.dtype == torch.bool and op == Average:
+            raise TypeError(f"{what}: op=Average is undefined for bool tensors; use Sum (any) or Min (all)")
+        t = t.detach()
+        entries.append(Entry(t, t if inplace else torch.empty_like(t, memory_format=torch.contiguous_format)))
+    return entries
+
+
+def _allreduce_handle(tensors, inplace, average, name, op, prescale_factor, postscale_factor, process_set, what):
+    op = _resolve_op(average, op)
+    entries = _allreduce_entries(tensors, inplace, op, what)
+    return _submit(CollectiveType.ALLREDUCE, entries, name, op=op, prescale=prescale_factor,
+                   postscale=postscale_factor, process_set=process_set)
+
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                    process_set=global_process_set) -> int:
+    """Start averaging (or summing...) ``tensor`` across ranks; returns a handle for synchronize()."""
+    h = _allreduce_handle([tensor], False, average, name, op, prescale_factor, postscale_factor, process_set,
+                          "allreduce")
+    return _register(h, lambda out: out[0])
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                     process_set=global_process_set) -> int:
+    """In-place :func:`allreduce_async`: the result overwrites ``tensor``."""
+    h = _allreduce_handle([tensor], True, average, name, op, prescale_factor, postscale_factor, process_set,
+                          "allreduce_")
+    return _register(h, lambda out: out[0])
+
+
+def allreduce(tensor, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
+              postscale_factor=1.0, process_set=global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks of the process set and return the result.
+
+    Differentiable: the gradient is reduced with the same operator.
+    """
+    from hora.torch.autograd import HoraAllreduce
+    from hora.torch.compression import Compression
+
+    compression = compression or Compression.none
+    compressed, ctx = compression.compress(tensor)
+    op = _resolve_op(average, op)
+    out = HoraAllreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
+    return compression.decompress(out, ctx)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+               process_set=global_process_set) -> torch.Tensor:
+    """In-place :func:`allreduce`."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                            process_set=global_process_set) -> int:
+    """Reduce a list of tensors as one unit (negotiated and fused together)."""
+    h = _allreduce_handle(list(tensors), False, average, name, op, prescale_factor, postscale_factor, process_set,
+                          "grouped_allreduce")
+    return _register(h, list)
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=global_process_set) -> int:
+    """In-place :func:`grouped_allreduce_async`."""
+    h = _allreduce_handle(list(tensors), True, average, name, op, prescale_factor, postscale_factor, process_set,
+                          "grouped_allreduce_")
+    return _register(h, list)
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
+                      postscale_factor=1.0, process_set=global_process_set) -> list[torch.Tensor]:
+    """Synchronous, differentiable :func:`grouped_allreduce_async`."""
+    from hora.torch.autograd import HoraGroupedAllreduce
+    from hora.torch.compression import Compression
+
+    compression = compression or Compression.none
+    pairs = [compression.compress(t) for t in tensors]
+    op = _resolve_op(average, op)
+    outs = HoraGroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set,
+                                      *[c for c, _ in pairs])
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs, strict=True)]
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                       process_set=global_process_set) -> list[torch.Tensor]:
+    """In-place :func:`grouped_allreduce`."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                                process_set))
+
+
+# ------------------------------------------------------------------ allgather
+def _gather_entries(tensors, what) -> list[Entry]:
+    entries = []
+    for t in tensors:
+        _check_tensor(t, what)
+        if t.dim() == 0:
+            raise ValueError(f"{what} needs tensors with at least one dimension (got a scalar); use t.view(1)")
+        entries.append(Entry(t.detach(), None))
+    return entries
+
+
+def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
+    """Start concatenating every rank's ``tensor`` along dimension 0 (first dims may differ)."""
+    h = _submit(CollectiveType.ALLGATHER, _gather_entries([tensor], "allgather"), name, process_set=process_set)
+    return _register(h, lambda out: out[0])
+
+
+def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dimension 0; differentiable."""
+    from hora.torch.autograd import HoraAllgather
+
+    return HoraAllgather.apply(tensor, name, process_set)
+
+
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> int:
+    """Allgather a list of tensors as one unit."""
+    h = _submit(CollectiveType.ALLGATHER, _gather_entries(list(tensors), "grouped_allgather"), name,
+                process_set=process_set)
+    return _register(h, list)
+
+
+def grouped_allgather(tensors, name=None, process_set=global_process_set) -> list[torch.Tensor]:
+    """Synchronous :func:`grouped_allgather_async`."""
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
+
+
+# ------------------------------------------------------------------ broadcast
+def _broadcast_handle(tensor, root_rank, name, process_set, inplace, what) -> Handle:
+    _check_tensor(tensor, what)
+    rt = runtime.current()
+    ps = global_process_set if process_set is None else process_set
+    ranks = ps.ranks if ps.ranks is not None else list(range(rt.engine.size))
+    if root_rank not in ranks:
+        raise ValueError(f"{what}: root_rank={root_rank} is not a rank of the process set {ranks}")
+    tensor = tensor.detach()
+    out = tensor if inplace else tensor.clone(memory_format=torch.contiguous_format)
+    return _submit(CollectiveType.BROADCAST, [Entry(tensor, out)], name, root=int(root_rank),
+                   process_set=process_set)
+
+
+def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> int:
+    """Start copying the root's ``tensor`` to every rank (into a new tensor)."""
+    return _register(_broadcast_handle(tensor, root_rank, name, process_set, False, "broadcast"),
+                     lambda out: out[0])
+
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> int:
+    """In-place :func:`broadcast_async`."""
+    return _register(_broadcast_handle(tensor, root_rank, name, process_set, True, "broadcast_"),
+                     lambda out: out[0])
+
+
+def broadcast(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
+    """The root's ``tensor`` on every rank; differentiable."""
+    from hora.torch.autograd import HoraBroadcast
+
+    return HoraBroadcast.apply(tensor, root_rank, name, process_set)
+
+
+def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
+    """Overwrite ``tensor`` with the root's."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+# ------------------------------------------------------------------- alltoall
+def _splits_list(tensor: torch.Tensor, splits, n: int, what: str) -> list[int] | None:
+    if splits is None:
+        if tensor.dim() == 0 or tensor.shape[0] % n:
+            raise ValueError(
+                f"{what}: the first dimension ({tensor.shape[0] if tensor.dim() else 'scalar'}) must divide "
+                f"evenly among {n} ranks when no splits are given")
+        return None
+    values = splits.tolist() if isinstance(splits, torch.Tensor) else list(splits)
+    values = [int(v) for v in values]
+    if len(values) != n:
+        raise ValueError(f"{what}: splits has {len(values)} entries but the process set has {n} ranks")
+    if any(v < 0 for v in values) or sum(values) != tensor.shape[0]:
+        raise ValueError(f"{what}: splits {values} must be non-negative and sum to the first dimension "
+                         f"({tensor.shape[0]})")
+    return values
+
+
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
+    """Start sending ``splits[i]`` rows of ``tensor`` to rank i and receiving from each."""
+    _check_tensor(tensor, "alltoall")
+    rt = runtime.current()
+    ps = global_process_set if process_set is None else process_set
+    n = len(ps.ranks) if ps.ranks is not None else rt.engine.size
+    entry = Entry(tensor.detach(), None, _splits_list(tensor, splits, n, "alltoall"))
+    h = _submit(CollectiveType.ALLTOALL, [entry], name, process_set=process_set)
+    return _register(h, lambda out: out[0])
+
+
+def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+    """Scatter rows of ``tensor`` to all ranks and gather theirs.
+
+    Returns:
+        ``(output, received_splits)``; differentiable in ``output``.
+    """
+    from hora.torch.autograd import HoraAlltoall
+
+    return HoraAlltoall.apply(tensor, splits, name, process_set)
+
+
+# -------------------------------------------------------------- reducescatter
+def _reducescatter_handle(tensors, name, op, process_set, prescale_factor, postscale_factor, what) -> Handle:
+    op = _resolve_op(None, op)
+    if op not in (Average, Sum):
+        raise UnsupportedError(f"{what} supports op=Average and op=Sum, not {ReduceOp(op).name}")
+    entries = []
+    for t in tensors:
+        _check_tensor(t, what)
+        if t.dim() == 0:
+            raise ValueError(f"{what} needs tensors with at least one dimension")
+        entries.append(Entry(t.detach(), None))
+    return _submit(CollectiveType.REDUCESCATTER, entries, name, op=op, prescale=prescale_factor,
+                   postscale=postscale_factor, process_set=process_set)
+
+
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
+                        postscale_factor=1.0) -> int:
+    """Start reducing ``tensor`` and scattering dimension 0: rank i keeps block i."""
+    h = _reducescatter_handle([tensor], name, op, process_set, prescale_factor, postscale_factor, "reducescatter")
+    return _register(h, lambda out: out[0])
+
+
+def reducescatter(tensor, name=None, compression=None, op=Average, process_set=global_process_set,
+                  prescale_factor=1.0, postscale_factor=1.0) -> torch.Tensor:
+    """Reduce ``tensor`` across ranks and return this rank's block of rows; differentiable."""
+    from hora.torch.autograd import HoraReducescatter
+    from hora.torch.compression import Compression
+
+    compression = compression or Compression.none
+    compressed, ctx = compression.compress(tensor)
+    out = HoraReducescatter.apply(compressed, name, op, process_set, prescale_factor, postscale_factor)
+    return compression.decompress(out, ctx)
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0) -> int:
+    """Reducescatter a list of tensors as one unit."""
+    h = _reducescatter_handle(list(tensors), name, op, process_set, prescale_factor, postscale_factor,
+                              "grouped_reducescatter")
+    return _register(h, list)
+
+
+def grouped_reducescatter(tensors, name=None, compression=None, op=Average, process_set=global_process_set,
+                          prescale_factor=1.0, postscale_factor=1.0) -> list[torch.Tensor]:
+    """Synchronous :func:`grouped_reducescatter_async`."""
+    from hora.torch.compression import Compression
+
+    compression = compression or Compression.none
+    pairs = [compression.compress(t) for t in tensors]
+    outs = synchronize(grouped_reducescatter_async([c for c, _ in pairs], name, op, process_set,
+                                                   prescale_factor, postscale_factor))
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs, strict=True)]
+
+
+# -------------------------------------------------------------------- control
+def barrier(process_set=global_process_set) -> None:
+    """Block until every rank of the process set reaches the barrier."""
+    _submit(CollectiveType.BARRIER, [], None, process_set=process_set).wait()
+
+
+def join(device: int = -1) -> int:
+    """Declare that this rank has no more data; keep serving others' allreduces with zeros.
+
+    Blocks until every rank has joined.  Ranks with fewer batches call it
+    early, so uneven data never hangs the job.
+
+    Returns:
+        The rank that joined last.
+    """
+    rt = runtime.current()
+    request = Request(rt.auto_name("join"), CollectiveType.JOIN, [])
+    return int(rt.submit(request).wait())

@@ -1,0 +1,265 @@
+"""``DistributedOptimizer``: gradients averaged across ranks while backward runs.
+
+Each parameter gets a post-accumulate-grad hook.  When its gradient is final
+for the step, the hook starts an asynchronous in-place allreduce of it and
+returns, so communication overlaps the rest of backward.  ``step()`` waits
+for the outstanding reductions, then runs the wrapped optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from hora.core.ops import ReduceOp
+from hora.core.runtime import global_process_set
+from hora.errors import HoraError
+from hora.torch import mpi_ops
+from hora.torch.compression import Compression
+
+log = logging.getLogger(__name__)
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Wraps a torch optimizer; see :func:`DistributedOptimizer`."""
+
+    def __init__(self, optimizer, named_parameters, compression, backward_passes_per_step, op,
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set) -> None:
+        # The wrapped optimizer owns param_groups and state; share them rather than copy,
+        # so LR schedulers and state_dict() see one truth.
+        self._opt = optimizer
+        self.defaults = optimizer.defaults
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self._compression = compression
+        self._process_set = process_set
+        self._sparse_as_dense = sparse_as_dense
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
+        self.backward_passes_per_step = backward_passes_per_step
+        op = ReduceOp(op)
+        if op == ReduceOp.ADASUM:
+            raise HoraError("op=hvd.Adasum is not supported by hora yet; use hvd.Average or hvd.Sum")
+        if gradient_predivide_factor != 1.0 and op != ReduceOp.AVERAGE:
+            raise ValueError("gradient_predivide_factor is only valid with op=hvd.Average")
+        self._op = op
+        self._prescale = 1.0 / gradient_predivide_factor
+        self._postscale = float(gradient_predivide_factor)
+
+        all_params = [p for g in optimizer.param_groups for p in g["params"]]
+        if named_parameters is not None:
+            named = list(named_parameters)
+            if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+                raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, "
+                                 "usually model.named_parameters()")
+            names = [n for n, _ in named]
+            dups = sorted({n for n in names if names.count(n) > 1})
+            if dups:
+                raise ValueError(f"parameter names in named_parameters must be unique; duplicated: {dups}")
+            ids = {id(p) for _, p in named}
+            missing = [p for p in all_params if id(p) not in ids]
+            if missing:
+                raise ValueError(f"named_parameters was specified, but {len(missing)} optimizer parameter(s) are "
+                                 "not in it; pass model.named_parameters() of the model being optimized")
+            self._names = {id(p): n for n, p in named}
+        else:
+            self._names = {id(p): f"param.{i}" for i, p in enumerate(all_params)}
+        self._params = [p for p in all_params if p.requires_grad]
+
+        self._group_of: dict[int, int] = {}
+        self._groups: list[list[torch.Tensor]] = []
+        if groups is not None:
+            if isinstance(groups, int):
+                if groups < 0:
+                    raise ValueError(f"groups={groups} must be >= 0")
+                n = groups
+                if n > 0:
+                    size = -(-len(self._params) // n)
+                    self._groups = [self._params[i : i + size] for i in range(0, len(self._params), size)]
+            else:
+                self._groups = [list(g) for g in groups]
+            for gi, group in enumerate(self._groups):
+                for p in group:
+                    self._group_of[id(p)] = gi
+
+        self._handles: dict[int, tuple[int, Any, list[torch.Tensor]]] = {}  # key -> (handle, ctxs, params)
+        self._passes: dict[int, int] = {}
+        self._group_ready: dict[int, list[torch.Tensor]] = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+
+    # -------------------------------------------------------------- hooks
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        key = id(p)
+        if key in self._handles or (key in self._group_of and
+                                    any(q is p for q in self._group_ready.get(self._group_of[key], []))):
+            raise HoraError(
+                "gradients were computed more than backward_passes_per_step times before step(); "
+                "increase backward_passes_per_step to accumulate gradients locally, or call step() / "
+                "synchronize() between backward passes"
+            )
+        self._passes[key] = self._passes.get(key, 0) + 1
+        if self._passes[key] < self.backward_passes_per_step:
+            return
+        self._submit(p)
+
+    def _grad_of(self, p: torch.Tensor) -> torch.Tensor:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        if p.grad.is_sparse:
+            if not self._sparse_as_dense:
+                raise HoraError("sparse gradients are not supported yet; pass sparse_as_dense=True to "
+                                "DistributedOptimizer")
+            p.grad = p.grad.to_dense()
+        return p.grad
+
+    def _submit(self, p: torch.Tensor) -> None:
+        gi = self._group_of.get(id(p))
+        if gi is None:
+            self._start([p], self._names[id(p)], id(p))
+            return
+        ready = self._group_ready.setdefault(gi, [])
+        ready.append(p)
+        if len(ready) == len(self._groups[gi]):
+            del self._group_ready[gi]
+            self._start(self._groups[gi], f"group.{gi}", -1 - gi)
+
+    def _start(self, params: list[torch.Tensor], name: str, key: int) -> None:
+        grads, ctxs = [], []
+        for p in params:
+            compressed, ctx = self._compression.compress(self._grad_of(p))
+            grads.append(compressed)
+            ctxs.append(ctx)
+        handle = mpi_ops.grouped_allreduce_async_(
+            grads, name=f"allreduce.{name}", op=self._op, prescale_factor=self._prescale,
+            postscale_factor=self._postscale, process_set=self._process_set,
+        ) if len(grads) > 1 or key < 0 else mpi_ops.allreduce_async_(
+            grads[0], name=f"allreduce.{name}", op=self._op, prescale_factor=self._prescale,
+            postscale_factor=self._postscale, process_set=self._process_set,
+        )
+        self._handles[key] = (handle, (grads, ctxs), params)
+
+    # ----------------------------------------------------------- protocol
+    def synchronize(self) -> None:
+        """Wait for every gradient's allreduce; afterwards ``p.grad`` holds the averaged gradient.
+
+        Parameters whose hooks did not fire this step (unused in the forward
+        pass) are reduced too, with zero gradients, so every rank submits the
+        same set of tensors and nothing hangs.
+        """
+        for gi, ready in list(self._group_ready.items()):
+            for p in self._groups[gi]:
+                if not any(q is p for q in ready):
+                    ready.append(p)
+            del self._group_ready[gi]
+            self._start(self._groups[gi], f"group.{gi}", -1 - gi)
+        for p in self._params:
+            key = id(p)
+            if key not in self._handles and key not in self._group_of:
+                self._start([p], self._names[key], key)
+        for gi, group in enumerate(self._groups):
+            if -1 - gi not in self._handles:
+                self._start(group, f"group.{gi}", -1 - gi)
+        for handle, (grads, ctxs), params in self._handles.values():
+            mpi_ops.synchronize(handle)
+            for p, g, ctx in zip(params, grads, ctxs, strict=True):
+                if ctx is not None or g is not p.grad:
+                    p.grad.copy_(self._compression.decompress(g, ctx))
+        self._handles.clear()
+        self._passes.clear()
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside this block, ``step()`` does not synchronize (call ``synchronize()`` yourself first)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                log.warning("optimizer.step() called without a new backward pass after synchronize(); "
+                            "wrap step() in optimizer.skip_synchronize() after calling synchronize() yourself")
+            self.synchronize()
+        self._synchronized = False
+        return self._opt.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._handles:
+            raise HoraError(
+                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                "optimizer.synchronize(); that would discard gradients still being reduced"
+            )
+        self._opt.zero_grad(set_to_none=set_to_none)
+
+    # -------------------------------------------------------- delegation
+    def state_dict(self) -> dict:
+        return self._opt.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._opt.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict) -> None:
+        self._opt.add_param_group(param_group)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called when normal lookup fails: fall through to the wrapped optimizer.
+        if name == "_opt":
+            raise AttributeError(name)
+        return getattr(self._opt, name)
+
+    def __getstate__(self):
+        return self.__dict__
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self._opt!r})"
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def DistributedOptimizer(  # noqa: N802 - Horovod's public name
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    compression=Compression.none,
+    backward_passes_per_step: int = 1,
+    op=ReduceOp.AVERAGE,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups=None,
+    sparse_as_dense: bool = False,
+    process_set=global_process_set,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
+
+    Args:
+        optimizer: any torch optimizer.
+        named_parameters: ``model.named_parameters()``; names make tensors
+            identifiable in errors and timelines.
+        compression: ``hvd.Compression.none`` or ``hvd.Compression.fp16``.
+        backward_passes_per_step: backward passes accumulated locally per step.
+        op: ``hvd.Average`` (default) or ``hvd.Sum``.
+        gradient_predivide_factor: divide by this before the sum and by
+            ``size / factor`` after it (for fp16 range).
+        num_groups / groups: reduce parameters in fixed groups (an int, or
+            lists of parameters) instead of one by one.
+        sparse_as_dense: reduce sparse gradients as dense tensors.
+        process_set: reduce over this process set only.
+    """
+    if num_groups and groups is None:
+        groups = num_groups
+    return _DistributedOptimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
+                                 gradient_predivide_factor, groups, sparse_as_dense, process_set)
