@@ -96,6 +96,8 @@ class Engine:
         self._shutdown_requested = False
         self._failure: HoraError | None = None
         self._stopped = threading.Event()
+        self._round_cv = threading.Condition()
+        self._round_busy = False
         self._last_progress = True
         self._warned_at = 0.0
         self.idle_tick_s = 0.5
@@ -104,8 +106,11 @@ class Engine:
         self._thread.start()
 
     # ------------------------------------------------------------------ API
-    def submit(self, request: Request) -> Handle:
+    def submit(self, request: Request, wake: bool = True) -> Handle:
         """Queue a request; returns its handle immediately.
+
+        ``wake=False`` is for a caller about to wait on the handle: its own
+        thread will run the round, so the engine thread is left asleep.
 
         Raises:
             ShutdownError: the engine has stopped (locally, on another rank,
@@ -121,14 +126,16 @@ class Engine:
                     "stopped the engine. Call hora init() again before submitting collectives."
                 )
             if request.kind not in _CONTROL:
-                if request.name in self._in_flight:
+                if request.key in self._in_flight:
                     raise _DuplicateName(
-                        f"a collective named {request.name!r} is already in flight on rank {self.rank}; "
+                        f"a collective named {request.key!r} is already in flight on rank {self.rank}; "
                         "names must be unique until the previous one completes (wait on its handle first)"
                     )
-                self._in_flight.add(request.name)
+                self._in_flight.add(request.key)
             self._incoming.append(request)
-            self._cv.notify()
+            if wake:
+                self._cv.notify()
+        request.handle.driver = self.wait_for
         return request.handle
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -156,11 +163,74 @@ class Engine:
 
     # ------------------------------------------------------------- the loop
     def _main(self) -> None:
-        try:
-            while True:
-                self._wait_for_work()
-                if not self._round():
+        while not self._stopped.is_set():
+            tick = self._wait_for_work()
+            if self._stopped.is_set():
+                break
+            self._take_round(block=True)  # a waiting caller may be running rounds itself
+            try:
+                self._absorb()
+                if self._pending or self._join_handle or self._shutdown_requested or tick:
+                    self._guarded_round()
+            finally:
+                self._release_round()
+
+    def wait_for(self, handle: Handle) -> None:
+        """Drive rounds on the calling thread until ``handle`` completes.
+
+        A synchronous collective is mostly latency: running its round here,
+        instead of waking the engine thread and being woken back, saves two
+        thread hand-offs.  If the engine thread is mid-round, wait for it.
+        """
+        cycle = self.config.cycle_time_ms / 1000.0
+        while not handle.done() and not self._stopped.is_set():
+            if not self._take_round(block=False):
+                with self._round_cv:
+                    while self._round_busy and not handle.done():
+                        self._round_cv.wait(0.1)
+                continue
+            try:
+                if handle.done():
                     break
+                self._absorb()
+                self._guarded_round()
+                progressed = self._last_progress
+            finally:
+                self._release_round()
+            if not progressed and not handle.done():
+                handle.wait_event(cycle)
+
+    def _take_round(self, block: bool) -> bool:
+        with self._round_cv:
+            while self._round_busy:
+                if not block:
+                    return False
+                self._round_cv.wait()
+            self._round_busy = True
+            return True
+
+    def _release_round(self) -> None:
+        with self._round_cv:
+            self._round_busy = False
+            self._round_cv.notify_all()
+        if self._pending:
+            with self._cv:
+                self._cv.notify()
+
+    def _absorb(self) -> None:
+        with self._cv:
+            for req in self._incoming:
+                if req.kind == CollectiveType.JOIN:
+                    self._join_handle = req.handle
+                else:
+                    self._pending[req.key] = req
+            self._incoming.clear()
+
+    def _guarded_round(self) -> bool:
+        """Run one round; any failure stops the engine and fails every pending request."""
+        try:
+            if self._round():
+                return True
         except _Abandon as e:
             self._fail_everything(e.args[0] if e.args else StallError("negotiation abandoned"))
         except HoraError as e:
@@ -171,28 +241,23 @@ class Engine:
             err.__cause__ = e
             log.error("%s", err)
             self._fail_everything(err)
-        finally:
-            self._stopped.set()
+        self._stopped.set()
+        with self._cv:
+            self._cv.notify_all()
+        return False
 
-    def _wait_for_work(self) -> None:
+    def _wait_for_work(self) -> bool:
+        """Sleep until a round is worth running; True when woken by the idle tick."""
         deadline = time.monotonic() + (self.config.cycle_time_ms / 1000.0 if self._pending else self.idle_tick_s)
         with self._cv:
             while True:
-                if self._incoming:
-                    for req in self._incoming:
-                        if req.kind == CollectiveType.JOIN:
-                            self._join_handle = req.handle
-                        else:
-                            self._pending[req.name] = req
-                    self._incoming.clear()
-                    return
-                if self._shutdown_requested:
-                    return
+                if self._incoming or self._shutdown_requested or self._stopped.is_set():
+                    return False
                 if (self._pending or self._join_handle) and self._last_progress:
-                    return
+                    return False
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return
+                    return True
                 self._cv.wait(remaining)
 
     def _round(self) -> bool:

@@ -15,6 +15,7 @@ per-call latency it saves.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,8 +37,14 @@ _BOOL_OPS = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PRODUCT: ReduceOp.MIN, ReduceO
              ReduceOp.MAX: ReduceOp.MAX}
 
 
+@functools.cache
 def dtype_from_name(name: str) -> torch.dtype:
     return getattr(torch, name)
+
+
+@functools.cache
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -143,7 +150,7 @@ class Executor:
                 source = torch.zeros(shape, dtype=dtype, device=sig.device)
                 output = source
             key = (compute, int(op), sig.prescale, post, pset.id, sig.device)
-            nbytes = source.numel() * torch.empty((), dtype=compute).element_size()
+            nbytes = source.numel() * itemsize(compute)
             slot = _Slot(request, i, source, output)
             if nbytes >= self._direct_threshold(backend) or nbytes >= self.fusion_threshold:
                 solo = _Bucket(key, compute, op, sig.prescale, post, pset, [slot], nbytes)
@@ -206,8 +213,7 @@ class Executor:
         key = (dtype, str(device))
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < numel:
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            cap = max(numel, min(self.fusion_threshold // itemsize, 2 * numel))
+            cap = max(numel, min(self.fusion_threshold // itemsize(dtype), 2 * numel))
             buf = torch.empty(cap, dtype=dtype, device=device)
             self._buffers[key] = buf
         return buf[:numel]

@@ -73,6 +73,7 @@ class CacheEntry:
     name: str
     process_set: int
     signatures: list[bytes | None]  # per global rank; None for a rank that was joined
+    ready: Ready | None = None  # the validated result, reused while no rank's signature changes
 
 
 @dataclasses.dataclass(slots=True)
@@ -116,12 +117,13 @@ class NameCache:
             return entry.id
         return None
 
-    def remember(self, name: str, process_set: int, signatures: list[bytes | None]) -> None:
+    def remember(self, name: str, process_set: int, signatures: list[bytes | None], ready: Ready) -> None:
         entry = self.by_name.get(name)
         if entry is not None:
             entry.signatures = signatures
+            entry.ready = ready
         elif self.cacheable(name) and len(self.by_id) < self.capacity:
-            entry = CacheEntry(len(self.by_id), name, process_set, signatures)
+            entry = CacheEntry(len(self.by_id), name, process_set, signatures, ready)
             self.by_name[name] = entry
             self.by_id.append(entry)
 
@@ -161,7 +163,13 @@ def resolve(
     for entry in [cache.by_id[i] for i in sorted(candidates)]:
         announced = ann_by_name.pop(entry.name, {})
         ranks = members.get(entry.process_set, ())
-        if totals[HEADER + entry.id] + len(announced) != len(ranks) or not ranks:
+        count = int(totals[HEADER + entry.id]) + len(announced)
+        if count != len(ranks) or not ranks:
+            continue
+        if joined and count == sum(1 for r in ranks if r in joined):
+            continue  # only joined ranks "have" it: nobody actually submitted it
+        if not announced and entry.ready is not None and not joined:
+            ready.append(entry.ready)  # steady state: nothing changed since it was validated
             continue
         sigs: list[bytes | None] = [None] * world_size
         for r in ranks:
@@ -185,10 +193,10 @@ def resolve(
 
 def _check(name: str, pset: int, raw: list[bytes | None], cache: NameCache) -> Ready:
     sigs = [Signature.decode(s) if s is not None else None for s in raw]
-    error = validate(name, sigs)
-    if error is None:
-        cache.remember(name, pset, raw)
-    return Ready(name, pset, sigs, error)
+    result = Ready(name, pset, sigs, validate(name, sigs))
+    if result.error is None:
+        cache.remember(name, pset, raw, result)
+    return result
 
 
 def _describe(values: Mapping[int, object]) -> str:

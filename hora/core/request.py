@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,6 +51,11 @@ class Request:
     def __post_init__(self) -> None:
         self.handle = Handle(self)
 
+    @property
+    def key(self) -> str:
+        """The name negotiated across ranks: names are scoped to their process set."""
+        return self.name if self.process_set_id == 0 else f"{self.name} [process set {self.process_set_id}]"
+
     def signature_bytes(self) -> bytes:
         """What this rank submitted, as compared across ranks during negotiation.
 
@@ -78,13 +84,15 @@ class Request:
 class Handle:
     """An in-flight request; ``wait()`` returns its outputs or raises its error."""
 
-    __slots__ = ("_request", "_event", "_result", "_error", "__weakref__")
+    __slots__ = ("_request", "_event", "_result", "_error", "driver", "__weakref__")
 
     def __init__(self, request: Request) -> None:
         self._request = request
         self._event = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
+        #: set by the engine: runs negotiation rounds on the waiting thread
+        self.driver: Callable[[Handle], None] | None = None
 
     @property
     def name(self) -> str:
@@ -98,8 +106,14 @@ class Handle:
         """True once the request completed or failed; never blocks."""
         return self._event.is_set()
 
+    def wait_event(self, timeout: float | None) -> bool:
+        """Block until done or ``timeout``, without driving the engine."""
+        return self._event.wait(timeout)
+
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the request finishes; return its result or raise its error."""
+        if self.driver is not None and timeout is None and not self._event.is_set():
+            self.driver(self)
         if not self._event.wait(timeout):
             raise TimeoutError(f"collective {self.name!r} did not finish within {timeout} s")
         if self._error is not None:

@@ -89,13 +89,16 @@ class Runtime:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.process_sets: dict[int, ProcessSet] = {0: global_process_set}
-        self._names = itertools.count()
+        self._names: dict[int, itertools.count] = {}
 
-    def auto_name(self, kind: str) -> str:
-        return f"{kind}.noname.{next(self._names)}"
+    def auto_name(self, kind: str, process_set_id: int = 0) -> str:
+        """Horovod-style generated name.  Counted per process set, because only
+        the members of a set submit its collectives."""
+        counter = self._names.setdefault(process_set_id, itertools.count())
+        return f"{kind}.noname.{next(counter)}"
 
-    def submit(self, request: Request) -> Handle:
-        return self.engine.submit(request)
+    def submit(self, request: Request, wake: bool = True) -> Handle:
+        return self.engine.submit(request, wake)
 
 
 _lock = threading.RLock()

@@ -18,8 +18,7 @@ def _ps_size_rank(process_set) -> tuple[int, int]:
     from hora.core import runtime
 
     eng = runtime.current().engine
-    ranks = process_set.ranks if process_set is not None and process_set.ranks is not None else list(
-        range(eng.size))
+    ranks = process_set.ranks if process_set is not None and process_set.ranks is not None else list(range(eng.size))
     return len(ranks), ranks.index(eng.rank)
 
 
@@ -27,14 +26,27 @@ class HoraAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale, postscale, process_set):
         ctx.args = (op, prescale, postscale, process_set)
-        return mpi_ops.synchronize(mpi_ops.allreduce_async(tensor, name=name, op=op, prescale_factor=prescale,
-                                                           postscale_factor=postscale, process_set=process_set))
+        return mpi_ops._now(
+            mpi_ops.allreduce_async,
+            tensor,
+            name=name,
+            op=op,
+            prescale_factor=prescale,
+            postscale_factor=postscale,
+            process_set=process_set,
+        )
 
     @staticmethod
     def backward(ctx, grad):
         op, prescale, postscale, process_set = ctx.args
-        out = mpi_ops.synchronize(mpi_ops.allreduce_async(grad.contiguous(), op=op, prescale_factor=prescale,
-                                                          postscale_factor=postscale, process_set=process_set))
+        out = mpi_ops._now(
+            mpi_ops.allreduce_async,
+            grad.contiguous(),
+            op=op,
+            prescale_factor=prescale,
+            postscale_factor=postscale,
+            process_set=process_set,
+        )
         return out, None, None, None, None, None
 
 
@@ -42,16 +54,29 @@ class HoraGroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, op, prescale, postscale, process_set, *tensors):
         ctx.args = (op, prescale, postscale, process_set)
-        return tuple(mpi_ops.synchronize(mpi_ops.grouped_allreduce_async(
-            list(tensors), name=name, op=op, prescale_factor=prescale, postscale_factor=postscale,
-            process_set=process_set)))
+        return tuple(
+            mpi_ops._now(
+                mpi_ops.grouped_allreduce_async,
+                list(tensors),
+                name=name,
+                op=op,
+                prescale_factor=prescale,
+                postscale_factor=postscale,
+                process_set=process_set,
+            )
+        )
 
     @staticmethod
     def backward(ctx, *grads):
         op, prescale, postscale, process_set = ctx.args
-        outs = mpi_ops.synchronize(mpi_ops.grouped_allreduce_async(
-            [g.contiguous() for g in grads], op=op, prescale_factor=prescale, postscale_factor=postscale,
-            process_set=process_set))
+        outs = mpi_ops._now(
+            mpi_ops.grouped_allreduce_async,
+            [g.contiguous() for g in grads],
+            op=op,
+            prescale_factor=prescale,
+            postscale_factor=postscale,
+            process_set=process_set,
+        )
         return (None, None, None, None, None, *outs)
 
 
@@ -60,14 +85,16 @@ class HoraAllgather(torch.autograd.Function):
     def forward(ctx, tensor, name, process_set):
         ctx.rows = tensor.shape[0] if tensor.dim() else 1
         ctx.process_set = process_set
-        return mpi_ops.synchronize(mpi_ops.allgather_async(tensor, name=name, process_set=process_set))
+        return mpi_ops._now(mpi_ops.allgather_async, tensor, name=name, process_set=process_set)
 
     @staticmethod
     def backward(ctx, grad):
-        reduced = mpi_ops.synchronize(mpi_ops.allreduce_async(grad.contiguous(), op=ReduceOp.AVERAGE,
-                                                              process_set=ctx.process_set))
-        rows = mpi_ops.synchronize(mpi_ops.allgather_async(torch.tensor([ctx.rows], dtype=torch.int64),
-                                                           process_set=ctx.process_set))
+        reduced = mpi_ops._now(
+            mpi_ops.allreduce_async, grad.contiguous(), op=ReduceOp.AVERAGE, process_set=ctx.process_set
+        )
+        rows = mpi_ops._now(
+            mpi_ops.allgather_async, torch.tensor([ctx.rows], dtype=torch.int64), process_set=ctx.process_set
+        )
         _, me = _ps_size_rank(ctx.process_set)
         offset = int(rows[:me].sum())
         return reduced.narrow(0, offset, ctx.rows), None, None
@@ -78,14 +105,15 @@ class HoraBroadcast(torch.autograd.Function):
     def forward(ctx, tensor, root_rank, name, process_set):
         ctx.root = root_rank
         ctx.process_set = process_set
-        return mpi_ops.synchronize(mpi_ops.broadcast_async(tensor, root_rank, name=name, process_set=process_set))
+        return mpi_ops._now(mpi_ops.broadcast_async, tensor, root_rank, name=name, process_set=process_set)
 
     @staticmethod
     def backward(ctx, grad):
         from hora.core import runtime
 
-        reduced = mpi_ops.synchronize(mpi_ops.allreduce_async(grad.contiguous(), op=ReduceOp.AVERAGE,
-                                                              process_set=ctx.process_set))
+        reduced = mpi_ops._now(
+            mpi_ops.allreduce_async, grad.contiguous(), op=ReduceOp.AVERAGE, process_set=ctx.process_set
+        )
         if runtime.current().engine.rank != ctx.root:
             reduced = reduced * 0
         return reduced, None, None, None
@@ -94,8 +122,7 @@ class HoraBroadcast(torch.autograd.Function):
 class HoraAlltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, splits, name, process_set):
-        out, received = mpi_ops.synchronize(mpi_ops.alltoall_async(tensor, splits, name=name,
-                                                                   process_set=process_set))
+        out, received = mpi_ops._now(mpi_ops.alltoall_async, tensor, splits, name=name, process_set=process_set)
         ctx.received = received
         ctx.process_set = process_set
         ctx.mark_non_differentiable(received)
@@ -103,8 +130,7 @@ class HoraAlltoall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, _grad_splits):
-        back, _ = mpi_ops.synchronize(mpi_ops.alltoall_async(grad.contiguous(), ctx.received,
-                                                             process_set=ctx.process_set))
+        back, _ = mpi_ops._now(mpi_ops.alltoall_async, grad.contiguous(), ctx.received, process_set=ctx.process_set)
         return back, None, None, None
 
 
@@ -112,14 +138,20 @@ class HoraReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, process_set, prescale, postscale):
         ctx.args = (op, process_set, prescale, postscale)
-        return mpi_ops.synchronize(mpi_ops.reducescatter_async(tensor, name=name, op=op, process_set=process_set,
-                                                               prescale_factor=prescale,
-                                                               postscale_factor=postscale))
+        return mpi_ops._now(
+            mpi_ops.reducescatter_async,
+            tensor,
+            name=name,
+            op=op,
+            process_set=process_set,
+            prescale_factor=prescale,
+            postscale_factor=postscale,
+        )
 
     @staticmethod
     def backward(ctx, grad):
         op, process_set, prescale, postscale = ctx.args
-        gathered = mpi_ops.synchronize(mpi_ops.allgather_async(grad.contiguous(), process_set=process_set))
+        gathered = mpi_ops._now(mpi_ops.allgather_async, grad.contiguous(), process_set=process_set)
         scale = prescale * postscale
         if ReduceOp(op) == ReduceOp.AVERAGE:
             scale /= _ps_size_rank(process_set)[0]

@@ -39,6 +39,19 @@ _handle_ids = itertools.count(1)
 _handles_lock = threading.Lock()
 
 
+_local = threading.local()
+
+
+def _now(async_fn: Callable[..., int], *args: Any, **kwargs: Any) -> Any:
+    """Run an async op and wait for it; the waiting thread drives the engine itself."""
+    _local.sync = True
+    try:
+        handle = async_fn(*args, **kwargs)
+    finally:
+        _local.sync = False
+    return synchronize(handle)
+
+
 def _register(handle: Handle, finish: Callable[[Any], Any]) -> int:
     with _handles_lock:
         hid = next(_handle_ids)
@@ -105,13 +118,14 @@ def _submit(
     prescale: float = 1.0, postscale: float = 1.0, process_set: ProcessSet | None = None,
 ) -> Handle:
     rt = runtime.current()
+    pset = _pset_id(process_set)
     request = Request(
-        name or rt.auto_name(kind.label), kind, entries, process_set_id=_pset_id(process_set), op=op, root=root,
+        name or rt.auto_name(kind.label, pset), kind, entries, process_set_id=pset, op=op, root=root,
         prescale=float(prescale), postscale=float(postscale),
     )
     if entries and entries[0].input.is_cuda:
         torch.cuda.current_stream(entries[0].input.device).synchronize()
-    return rt.submit(request)
+    return rt.submit(request, wake=not getattr(_local, "sync", False))
 
 
 # ------------------------------------------------------------------ allreduce
@@ -146,7 +160,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     """In-place :func:`allreduce_async`: the result overwrites ``tensor``."""
     h = _allreduce_handle([tensor], True, average, name, op, prescale_factor, postscale_factor, process_set,
                           "allreduce_")
-    return _register(h, lambda out: out[0])
+    return _register(h, lambda out: tensor)
 
 
 def allreduce(tensor, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
@@ -168,7 +182,7 @@ def allreduce(tensor, average=None, name=None, compression=None, op=None, presca
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set) -> torch.Tensor:
     """In-place :func:`allreduce`."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    return _now(allreduce_async_, tensor, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -182,9 +196,10 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set) -> int:
     """In-place :func:`grouped_allreduce_async`."""
-    h = _allreduce_handle(list(tensors), True, average, name, op, prescale_factor, postscale_factor, process_set,
+    tensors = list(tensors)
+    h = _allreduce_handle(tensors, True, average, name, op, prescale_factor, postscale_factor, process_set,
                           "grouped_allreduce_")
-    return _register(h, list)
+    return _register(h, lambda out: tensors)
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
@@ -204,8 +219,8 @@ def grouped_allreduce(tensors, average=None, name=None, compression=None, op=Non
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=global_process_set) -> list[torch.Tensor]:
     """In-place :func:`grouped_allreduce`."""
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
-                                                process_set))
+    return _now(grouped_allreduce_async_, tensors, average, name, op, prescale_factor, postscale_factor,
+                process_set)
 
 
 # ------------------------------------------------------------------ allgather
@@ -241,7 +256,7 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set) 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set) -> list[torch.Tensor]:
     """Synchronous :func:`grouped_allgather_async`."""
-    return synchronize(grouped_allgather_async(tensors, name, process_set))
+    return _now(grouped_allgather_async, tensors, name, process_set)
 
 
 # ------------------------------------------------------------------ broadcast
@@ -267,7 +282,7 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> int:
     """In-place :func:`broadcast_async`."""
     return _register(_broadcast_handle(tensor, root_rank, name, process_set, True, "broadcast_"),
-                     lambda out: out[0])
+                     lambda out: tensor)
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
@@ -279,7 +294,7 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set) -> t
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
     """Overwrite ``tensor`` with the root's."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return _now(broadcast_async_, tensor, root_rank, name, process_set)
 
 
 # ------------------------------------------------------------------- alltoall
@@ -371,15 +386,20 @@ def grouped_reducescatter(tensors, name=None, compression=None, op=Average, proc
 
     compression = compression or Compression.none
     pairs = [compression.compress(t) for t in tensors]
-    outs = synchronize(grouped_reducescatter_async([c for c, _ in pairs], name, op, process_set,
-                                                   prescale_factor, postscale_factor))
+    outs = _now(grouped_reducescatter_async, [c for c, _ in pairs], name, op, process_set, prescale_factor,
+                postscale_factor)
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs, strict=True)]
 
 
 # -------------------------------------------------------------------- control
 def barrier(process_set=global_process_set) -> None:
     """Block until every rank of the process set reaches the barrier."""
-    _submit(CollectiveType.BARRIER, [], None, process_set=process_set).wait()
+    _local.sync = True
+    try:
+        handle = _submit(CollectiveType.BARRIER, [], None, process_set=process_set)
+    finally:
+        _local.sync = False
+    handle.wait()
 
 
 def join(device: int = -1) -> int:
@@ -393,4 +413,4 @@ def join(device: int = -1) -> int:
     """
     rt = runtime.current()
     request = Request(rt.auto_name("join"), CollectiveType.JOIN, [])
-    return int(rt.submit(request).wait())
+    return int(rt.submit(request, wake=False).wait())

