@@ -98,6 +98,7 @@ class Engine:
         self._stopped = threading.Event()
         self._round_cv = threading.Condition()
         self._round_busy = False
+        self._last_round_at = time.monotonic()
         self._last_progress = True
         self._warned_at = 0.0
         self.idle_tick_s = 0.5
@@ -167,7 +168,8 @@ class Engine:
             tick = self._wait_for_work()
             if self._stopped.is_set():
                 break
-            self._take_round(block=True)  # a waiting caller may be running rounds itself
+            if not self._take_round(block=False):
+                continue  # a waiting caller is driving rounds; it notifies us if work remains
             try:
                 self._absorb()
                 if self._pending or self._join_handle or self._shutdown_requested or tick:
@@ -213,7 +215,7 @@ class Engine:
         with self._round_cv:
             self._round_busy = False
             self._round_cv.notify_all()
-        if self._pending:
+        if self._pending or self._incoming or self._join_handle:
             with self._cv:
                 self._cv.notify()
 
@@ -247,18 +249,28 @@ class Engine:
         return False
 
     def _wait_for_work(self) -> bool:
-        """Sleep until a round is worth running; True when woken by the idle tick."""
-        deadline = time.monotonic() + (self.config.cycle_time_ms / 1000.0 if self._pending else self.idle_tick_s)
+        """Sleep until a round is worth running; True when woken by the idle tick.
+
+        While a caller drives rounds (``_round_busy``) this thread stays
+        asleep: waking it would only steal the CPU from the ranks' own work.
+        """
         with self._cv:
             while True:
-                if self._incoming or self._shutdown_requested or self._stopped.is_set():
+                if self._shutdown_requested or self._stopped.is_set():
                     return False
-                if (self._pending or self._join_handle) and self._last_progress:
+                busy = self._round_busy
+                if not busy and self._incoming:
                     return False
+                if not busy and (self._pending or self._join_handle) and self._last_progress:
+                    return False
+                if self._pending or self._join_handle:
+                    deadline = self._last_round_at + self.config.cycle_time_ms / 1000.0
+                else:
+                    deadline = self._last_round_at + self.idle_tick_s
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return True
-                self._cv.wait(remaining)
+                if remaining <= 0 and not busy:
+                    return not (self._pending or self._join_handle)
+                self._cv.wait(max(remaining, 0.001) if not busy else self.idle_tick_s)
 
     def _round(self) -> bool:
         """One negotiation round and the execution of what became ready.
@@ -266,6 +278,7 @@ class Engine:
         Returns False once the engine should stop.
         """
         self.rounds += 1
+        self._last_round_at = time.monotonic()
         cache, rank = self._cache, self.rank
         vector = np.zeros(HEADER + len(cache), np.int64)
         announce: dict[str, bytes] = {}

@@ -198,6 +198,13 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     return bool(removed)
 
 
+def mpi_built() -> bool:
+    """True when mpi4py is importable (hora needs no compile step); MPI is not initialised."""
+    from hora.core.backends.mpi import mpi_available
+
+    return mpi_available()
+
+
 def _atexit() -> None:
     try:
         shutdown()

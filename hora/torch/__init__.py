@@ -125,9 +125,7 @@ def mpi_enabled() -> bool:
 
 def mpi_built() -> bool:
     """True when mpi4py is importable (hora needs no compile step)."""
-    from hora.core.backends.mpi import mpi_available
-
-    return mpi_available()
+    return _runtime.mpi_built()
 
 
 def gloo_enabled() -> bool:

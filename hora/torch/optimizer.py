@@ -32,9 +32,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # The wrapped optimizer owns param_groups and state; share them rather than copy,
         # so LR schedulers and state_dict() see one truth.
         self._opt = optimizer
-        self.defaults = optimizer.defaults
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
         self._compression = compression
         self._process_set = process_set
         self._sparse_as_dense = sparse_as_dense
@@ -201,6 +198,31 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._opt.zero_grad(set_to_none=set_to_none)
 
     # -------------------------------------------------------- delegation
+    # Properties, not copies: load_state_dict() replaces the wrapped optimizer's lists.
+    @property
+    def param_groups(self) -> list[dict]:
+        return self._opt.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict]) -> None:
+        self._opt.param_groups = value
+
+    @property
+    def state(self) -> dict:
+        return self._opt.state
+
+    @state.setter
+    def state(self, value: dict) -> None:
+        self._opt.state = value
+
+    @property
+    def defaults(self) -> dict:
+        return self._opt.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict) -> None:
+        self._opt.defaults = value
+
     def state_dict(self) -> dict:
         return self._opt.state_dict()
 

@@ -1,0 +1,18 @@
+"""The README's main job: the digits example trains to >= 0.95 on 2 processes."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+
+def test_train_digits_reaches_target_accuracy(run_job, tmp_path):
+    proc = run_job(2, [sys.executable, "examples/torch/train_digits.py", "--min-accuracy", "0.95",
+                       "--checkpoint-dir", str(tmp_path), "--no-progress"], timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    match = re.search(r"Test accuracy: ([0-9.]+)", proc.stdout)
+    assert match and float(match.group(1)) >= 0.95
+    assert re.search(r"Epoch\[0\] Batch \[0-\d+\]\s+Speed: [0-9.]+ samples/sec\s+accuracy=", proc.stdout)
+    # logs and checkpoints come from rank 0 only
+    assert "[1]<stdout>:Epoch[" not in proc.stdout
+    assert any(tmp_path.iterdir()), "rank 0 wrote no checkpoint"

@@ -1,0 +1,25 @@
+"""Every collective on 2 and 3 ranks, under gloo and MPI, through `hora run`.
+
+Each case launches one job in which every rank runs the rank-level tests in
+tests/parallel/ (values, dtypes, shapes, autograd, process sets, join, and
+errors raised on every rank when ranks disagree).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+CASES = [(2, "gloo"), (3, "gloo"), (2, "mpi"), (3, "mpi")]
+
+
+@pytest.mark.parametrize(("np", "controller"), CASES, ids=[f"{c}-np{n}" for n, c in CASES])
+def test_rank_level_suite(run_job, np, controller):
+    proc = run_job(np, [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/parallel"],
+                   mpi=controller == "mpi", timeout=300)
+    tail = (proc.stdout[-4000:] + proc.stderr[-4000:])
+    assert proc.returncode == 0, tail
+    for rank in range(np):
+        assert any(line.startswith(f"[{rank}]<stdout>:") and " passed" in line for line in proc.stdout.splitlines()), (
+            f"rank {rank} did not report its tests passing:\n{tail}")
