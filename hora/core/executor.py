@@ -31,7 +31,9 @@ from hora.errors import UnsupportedError
 
 log = logging.getLogger(__name__)
 
-_UPCAST = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.int16: torch.int32, torch.bool: torch.uint8}
+_UPCAST = {
+    torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.int16: torch.int32, torch.bool: torch.uint8,
+}
 # Logical semantics for bool: sum is "any", product is "all".
 _BOOL_OPS = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PRODUCT: ReduceOp.MIN, ReduceOp.MIN: ReduceOp.MIN,
              ReduceOp.MAX: ReduceOp.MAX}

@@ -101,7 +101,7 @@ class MPIBackend(Backend):
         recv = np.empty(int(lengths.sum()), np.uint8)
         displs = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         self.comm.Allgatherv(np.frombuffer(data, np.uint8), [recv, (lengths, displs), self._MPI.BYTE])
-        return [recv[d : d + n].tobytes() for d, n in zip(displs, lengths)]
+        return [recv[d : d + n].tobytes() for d, n in zip(displs, lengths, strict=True)]
 
     # data plane
     def allreduce_(self, buf: torch.Tensor, op: ReduceOp, group: Any = None) -> None:
