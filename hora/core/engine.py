@@ -239,7 +239,11 @@ class Engine:
             log.error("hora engine stopped on rank %d: %s", self.rank, e)
             self._fail_everything(e)
         except Exception as e:  # a backend failure: the job's state is unknown
-            err = InternalError(f"hora engine failed on rank {self.rank}: {type(e).__name__}: {e}")
+            if self._failure is not None or self._stopped.is_set():
+                return False  # already failed and reported; this is the fallout
+            err = InternalError(
+                f"hora engine failed on rank {self.rank}: {type(e).__name__}: {e}. This usually means another "
+                "rank exited or crashed; look for the first error in the other ranks' output")
             err.__cause__ = e
             log.error("%s", err)
             self._fail_everything(err)

@@ -1,0 +1,32 @@
+"""Failures end in clear errors within a bound, never a hang."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+
+import pytest
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_stall_deadline_raises_on_every_rank(run_job, controller):
+    start = time.monotonic()
+    proc = run_job(3, [sys.executable, "tests/scripts/stall.py"], mpi=controller == "mpi", timeout=90,
+                   env={"HORA_STALL_CHECK_TIME_SECONDS": "1", "HORA_STALL_SHUTDOWN_TIME_SECONDS": "3"})
+    assert time.monotonic() - start < 60
+    out = proc.stdout
+    for rank in range(3):
+        line = next((ln for ln in out.splitlines() if ln.startswith(f"[{rank}]<stdout>:STALL")), None)
+        assert line is not None, f"rank {rank} did not raise StallError:\n{out[-3000:]}\n{proc.stderr[-3000:]}"
+        assert float(re.search(r"after ([0-9.]+)s", line).group(1)) < 20
+    # the report names who is missing for each tensor
+    assert "'only.rank0': submitted by ranks [0], missing ranks [1, 2]" in out + proc.stderr
+
+
+def test_dead_peer_gives_error_and_root_cause(run_job):
+    start = time.monotonic()
+    proc = run_job(2, [sys.executable, "tests/scripts/dead_peer.py"], timeout=90)
+    assert time.monotonic() - start < 45
+    assert proc.returncode == 7, proc.stderr[-2000:]
+    assert "root cause: rank 1" in proc.stderr and "exited with code 7" in proc.stderr
