@@ -50,6 +50,8 @@ from hora.errors import (
 
 log = logging.getLogger(__name__)
 
+_CALLER_SPIN_S = 0.02
+
 _CONTROL = (CollectiveType.JOIN, CollectiveType.ADD_PROCESS_SET, CollectiveType.REMOVE_PROCESS_SET)
 
 
@@ -60,12 +62,19 @@ class _Abandon(Exception):
 class Engine:
     """Negotiates and executes collectives for one process.
 
+    A caller driving its own synchronous collective spins up to
+    ``CALLER_SPIN_S`` waiting for the other ranks, since it has nothing else
+    to do; the engine thread spins briefly and then sleeps (see
+    :func:`~hora.core.backends.base.wait_with_backoff`).
+
     Args:
         topology: this process's place in the job.
         config: engine knobs.
         controller: the CPU backend used for negotiation and CPU tensors.
         data_backends: extra backends by device type (``{"cuda": nccl}``).
     """
+
+    CALLER_SPIN_S = _CALLER_SPIN_S
 
     def __init__(
         self,
@@ -195,7 +204,7 @@ class Engine:
                 if handle.done():
                     break
                 self._absorb()
-                self._guarded_round()
+                self._guarded_round(spin_s=self.CALLER_SPIN_S)
                 progressed = self._last_progress
             finally:
                 self._release_round()
@@ -228,10 +237,10 @@ class Engine:
                     self._pending[req.key] = req
             self._incoming.clear()
 
-    def _guarded_round(self) -> bool:
+    def _guarded_round(self, spin_s: float = 200e-6) -> bool:
         """Run one round; any failure stops the engine and fails every pending request."""
         try:
-            if self._round():
+            if self._round(spin_s):
                 return True
         except _Abandon as e:
             self._fail_everything(e.args[0] if e.args else StallError("negotiation abandoned"))
@@ -276,7 +285,7 @@ class Engine:
                     return not (self._pending or self._join_handle)
                 self._cv.wait(max(remaining, 0.001) if not busy else self.idle_tick_s)
 
-    def _round(self) -> bool:
+    def _round(self, spin_s: float = 200e-6) -> bool:
         """One negotiation round and the execution of what became ready.
 
         Returns False once the engine should stop.
@@ -307,7 +316,7 @@ class Engine:
         if self._shutdown_requested:
             vector[SLOT_SHUTDOWN] = 1
 
-        totals = self.controller.negotiate(vector, self._poll_wait)
+        totals = self.controller.negotiate(vector, self._poll_wait, spin_s)
 
         if totals[SLOT_SHUTDOWN] > 0:
             who = "this rank" if self._shutdown_requested else "another rank"

@@ -14,6 +14,19 @@ from hora.core.ops import CollectiveType, ReduceOp
 from hora.errors import HoraError
 
 
+# Encoding a signature costs more than the rest of a small collective's round;
+# training submits the same few signatures every step, so remember them.
+_SIGNATURES: dict[tuple, bytes] = {}
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
 @dataclasses.dataclass(slots=True)
 class Entry:
     """One tensor of a request: its input and where its result goes.
@@ -64,31 +77,44 @@ class Request:
         round the request waits.
         """
         if self.sig_bytes is None:
-            from hora.core.negotiation import Signature
-
             if self.kind == CollectiveType.ADD_PROCESS_SET:
                 tensors: tuple = (("int64", tuple(self.payload), ()),)
             else:
                 tensors = tuple(
-                    (str(e.input.dtype).removeprefix("torch."), tuple(e.input.shape), tuple(e.splits or ()))
+                    (_dtype_name(e.input.dtype), tuple(e.input.shape), tuple(e.splits) if e.splits else ())
                     for e in self.entries
                 )
             device = self.entries[0].input.device.type if self.entries else "cpu"
-            self.sig_bytes = Signature(
-                self.kind, tensors, self.op, self.root, float(self.prescale), float(self.postscale),
-                self.process_set_id, device,
-            ).encode()
+            key = (self.kind, tensors, self.op, self.root, self.prescale, self.postscale, self.process_set_id,
+                   device)
+            encoded = _SIGNATURES.get(key)
+            if encoded is None:
+                from hora.core.negotiation import Signature
+
+                encoded = Signature(
+                    self.kind, tensors, self.op, self.root, float(self.prescale), float(self.postscale),
+                    self.process_set_id, device,
+                ).encode()
+                if len(_SIGNATURES) < 65536:
+                    _SIGNATURES[key] = encoded
+            self.sig_bytes = encoded
         return self.sig_bytes
+
+
+# One condition for every handle: a round completes many handles, and a
+# per-handle Event (a lock, a condition and a deque each) costs more than a
+# small collective's whole round.  Waiters are few, so notify_all is cheap.
+_DONE = threading.Condition()
 
 
 class Handle:
     """An in-flight request; ``wait()`` returns its outputs or raises its error."""
 
-    __slots__ = ("_request", "_event", "_result", "_error", "driver", "__weakref__")
+    __slots__ = ("_request", "_done", "_result", "_error", "driver", "__weakref__")
 
     def __init__(self, request: Request) -> None:
         self._request = request
-        self._event = threading.Event()
+        self._done = False
         self._result: Any = None
         self._error: BaseException | None = None
         #: set by the engine: runs negotiation rounds on the waiting thread
@@ -104,25 +130,33 @@ class Handle:
 
     def done(self) -> bool:
         """True once the request completed or failed; never blocks."""
-        return self._event.is_set()
+        return self._done
 
     def wait_event(self, timeout: float | None) -> bool:
         """Block until done or ``timeout``, without driving the engine."""
-        return self._event.wait(timeout)
+        if self._done:
+            return True
+        with _DONE:
+            return _DONE.wait_for(self.done, timeout)
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the request finishes; return its result or raise its error."""
-        if self.driver is not None and timeout is None and not self._event.is_set():
+        if self.driver is not None and timeout is None and not self._done:
             self.driver(self)
-        if not self._event.wait(timeout):
+        if not self.wait_event(timeout):
             raise TimeoutError(f"collective {self.name!r} did not finish within {timeout} s")
         if self._error is not None:
             raise self._error
         return self._result
 
+    def _finish(self) -> None:
+        with _DONE:
+            self._done = True
+            _DONE.notify_all()
+
     def set_result(self, result: Any) -> None:
         self._result = result
-        self._event.set()
+        self._finish()
 
     def set_error(self, error: BaseException) -> None:
         if not isinstance(error, HoraError):
@@ -130,4 +164,4 @@ class Handle:
             wrapped.__cause__ = error
             error = wrapped
         self._error = error
-        self._event.set()
+        self._finish()

@@ -38,8 +38,11 @@ class Backend(abc.ABC):
 
     # --- control plane (global group, negotiation) -----------------------------------
     @abc.abstractmethod
-    def negotiate(self, vector: np.ndarray, poll: Callable[[float], None]) -> np.ndarray:
+    def negotiate(self, vector: np.ndarray, poll: Callable[[float], None], spin_s: float = 200e-6) -> np.ndarray:
         """Sum an int64 vector over all ranks, calling ``poll(waited_s)`` while waiting.
+
+        The wait spins for ``spin_s`` before it starts sleeping (see
+        :func:`wait_with_backoff`).
 
         ``poll`` may raise to abandon the wait (stall deadline, shutdown);
         it is how a round that other ranks never join is reported instead of
@@ -96,25 +99,33 @@ class Backend(abc.ABC):
         return device.type == "cpu"
 
 
-def wait_with_backoff(is_done: Callable[[], bool], poll: Callable[[float], None]) -> None:
-    """Wait for ``is_done()`` without burning a core for long.
+def wait_with_backoff(is_done: Callable[[], bool], poll: Callable[[float], None], spin_s: float = 200e-6) -> None:
+    """Wait for ``is_done()``, spinning first and sleeping after.
 
     A round usually completes within microseconds when every rank is ready,
-    so the first 0.2 ms spin on ``is_done()`` (for MPI this call also drives
-    progress).  After that the wait sleeps in steps growing to 0.2 ms, so a
-    rank waiting for a slower peer leaves the CPU to the training thread
-    while adding at most that much latency once the peer arrives.
-    ``poll(waited_s)`` runs every 0.1 s and may raise to abandon the wait.
+    and for MPI each ``is_done()`` call also drives progress, so the wait
+    first spins for ``spin_s``.  A thread that sleeps gives its core away and
+    may wait a scheduler tick to get it back, so a caller with nothing else
+    to do (a synchronous collective) spins for longer; the engine thread,
+    which shares the CPU with the training loop, spins briefly.  After the
+    spin the wait sleeps in steps growing to 0.2 ms.  ``poll(waited_s)`` runs
+    every 0.1 s and may raise to abandon the wait.
     """
     if is_done():
         return
     start = time.perf_counter()
-    spin_until = start + 200e-6
-    while time.perf_counter() < spin_until:
+    spin_until = start + spin_s
+    next_poll = start + 0.1
+    while True:
+        now = time.perf_counter()
+        if now >= spin_until:
+            break
         if is_done():
             return
+        if now >= next_poll:
+            poll(now - start)
+            next_poll = now + 0.1
     delay = 10e-6
-    next_poll = start + 0.1
     while not is_done():
         time.sleep(delay)
         delay = min(delay * 1.5, 200e-6)

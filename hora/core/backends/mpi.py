@@ -89,10 +89,10 @@ class MPIBackend(Backend):
         return t.view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
 
     # control plane
-    def negotiate(self, vector: np.ndarray, poll: Callable[[float], None]) -> np.ndarray:
+    def negotiate(self, vector: np.ndarray, poll: Callable[[float], None], spin_s: float = 200e-6) -> np.ndarray:
         out = np.empty_like(vector)
         req = self.comm.Iallreduce(vector, out, op=self._MPI.SUM)
-        wait_with_backoff(req.Test, poll)
+        wait_with_backoff(req.Test, poll, spin_s)
         return out
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:

@@ -77,10 +77,10 @@ class TorchDistBackend(Backend):
         return self.pg if group is None else group
 
     # control plane
-    def negotiate(self, vector: np.ndarray, poll: Callable[[float], None]) -> np.ndarray:
+    def negotiate(self, vector: np.ndarray, poll: Callable[[float], None], spin_s: float = 200e-6) -> np.ndarray:
         t = torch.from_numpy(vector.copy())
         work = self.pg.allreduce([t])
-        wait_with_backoff(work.is_completed, poll)
+        wait_with_backoff(work.is_completed, poll, spin_s)
         work.wait()  # surfaces errors
         return t.numpy()
 
@@ -231,7 +231,7 @@ class NCCLBackend(TorchDistBackend):
     def supports_device(self, device: torch.device) -> bool:
         return device.type == "cuda"
 
-    def negotiate(self, vector: np.ndarray, poll: Callable[[float], None]) -> np.ndarray:
+    def negotiate(self, vector: np.ndarray, poll: Callable[[float], None], spin_s: float = 200e-6) -> np.ndarray:
         raise BackendError("NCCL is a data-plane backend; negotiation runs on the CPU controller")
 
     def allgather_bytes(self, data: bytes) -> list[bytes]:
