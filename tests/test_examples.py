@@ -16,3 +16,13 @@ def test_train_digits_reaches_target_accuracy(run_job, tmp_path):
     # logs and checkpoints come from rank 0 only
     assert "[1]<stdout>:Epoch[" not in proc.stdout
     assert any(tmp_path.iterdir()), "rank 0 wrote no checkpoint"
+
+
+def test_synthetic_benchmark_reports_throughput(run_job):
+    proc = run_job(2, [sys.executable, "examples/torch/synthetic_benchmark.py", "--model", "resnet18",
+                       "--image-size", "32", "--batch-size", "4", "--num-warmup-batches", "1",
+                       "--num-batches-per-iter", "1", "--num-iters", "2", "--num-classes", "10"], timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Number of CPUs: 2" in proc.stdout or "Number of GPUs: 2" in proc.stdout
+    total = re.search(r"Total img/sec on 2 \w+\(s\): ([0-9.]+)", proc.stdout)
+    assert total and float(total.group(1)) > 0

@@ -112,6 +112,9 @@ class Engine:
         self._warned_at = 0.0
         self.idle_tick_s = 0.5
         self.rounds = 0
+        if config.timeline_filename and self.rank == 0:
+            log.warning("HORA_TIMELINE=%s: the timeline is not implemented yet; no trace will be written",
+                        config.timeline_filename)
         self._thread = threading.Thread(target=self._main, name=f"hora-engine-{self.rank}", daemon=True)
         self._thread.start()
 
