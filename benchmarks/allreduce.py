@@ -176,10 +176,15 @@ def raw_gloo_allreduce(buf: torch.Tensor) -> Callable[[], torch.Tensor]:
 
 
 def hora_allreduce(hvd: ModuleType, buf: torch.Tensor, name: str) -> Callable[[], torch.Tensor]:
-    """hora's synchronous ``hvd.allreduce(buf, op=hvd.Sum)``, returning a new tensor as Horovod does."""
+    """hora's synchronous in-place ``hvd.allreduce_(buf, op=hvd.Sum)``.
+
+    In place, like the raw peers: the out-of-place ``hvd.allreduce`` also
+    allocates its result, and for large tensors the page faults of a fresh
+    allocation cost more than the collective (see docs/benchmarks.md).
+    """
 
     def run() -> torch.Tensor:
-        return hvd.allreduce(buf, op=hvd.Sum, name=name)
+        return hvd.allreduce_(buf, op=hvd.Sum, name=name)
 
     return run
 
