@@ -110,6 +110,7 @@ class Engine:
         self._last_round_at = time.monotonic()
         self._last_progress = True
         self._warned_at = 0.0
+        self._next_stall_scan = 0.0
         self.idle_tick_s = 0.5
         self.rounds = 0
         if config.timeline_filename and self.rank == 0:
@@ -360,11 +361,12 @@ class Engine:
 
     def _execute(self, ready: Sequence[Ready]) -> None:
         items: list[tuple[Ready, Request | None]] = []
+        finished = [r.name for r in ready if r.name in self._pending]
+        if finished:
+            with self._cv:
+                self._in_flight.difference_update(finished)
         for r in ready:
             request = self._pending.pop(r.name, None)
-            if request is not None:
-                with self._cv:
-                    self._in_flight.discard(r.name)
             if r.error is not None:
                 if request is not None:
                     request.handle.set_error(r.error)
@@ -375,10 +377,6 @@ class Engine:
             if kind in (CollectiveType.ADD_PROCESS_SET, CollectiveType.REMOVE_PROCESS_SET):
                 self._run_control(kind, r, request)
                 continue
-            if request is None and self._join_handle is not None and kind not in (
-                CollectiveType.ALLREDUCE, CollectiveType.ALLGATHER, CollectiveType.BARRIER
-            ):
-                log.warning("rank %d has joined and cannot take part in %s of %r", self.rank, kind.label, r.name)
             items.append((r, request))
         if items:
             try:
@@ -423,7 +421,10 @@ class Engine:
         limit = self.config.stall_check_seconds
         if not limit or not self._pending:
             return False
-        now = time.monotonic()
+        now = self._last_round_at
+        if now < self._next_stall_scan:
+            return False
+        self._next_stall_scan = now + min(1.0, limit / 4)
         oldest = min(r.submitted_at for r in self._pending.values())
         if now - oldest < limit or now - self._warned_at < limit:
             return False

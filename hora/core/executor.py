@@ -133,30 +133,19 @@ class Executor:
     def _add_allreduce(
         self, ready: Ready, sig: Signature, request: Request | None, buckets: dict, order: list
     ) -> None:
-        pset = self._psets[ready.process_set]
-        backend = self._backend_for(sig.device)
-        if sig.op == ReduceOp.ADASUM:
-            raise UnsupportedError("op=Adasum is not supported by hora yet; use op=Average or op=Sum")
-        for i, (dtype_name, shape, _) in enumerate(sig.tensors):
-            dtype = dtype_from_name(dtype_name)
-            compute = dtype if dtype in backend.reduce_dtypes else _UPCAST.get(dtype, dtype)
-            op, post = sig.op, sig.postscale
-            if op == ReduceOp.AVERAGE:
-                op, post = ReduceOp.SUM, post / pset.size
-            if dtype == torch.bool:
-                op = _BOOL_OPS[op]
+        plan = ready.plan
+        if plan is None:
+            plan = ready.plan = self._plan_allreduce(ready, sig)
+        for i, (dtype, shape, compute, op, post, key, nbytes, solo) in enumerate(plan):
             if request is not None:
                 entry = request.entries[i]
-                source, output = entry.input, entry.output
+                slot = _Slot(request, i, entry.input, entry.output)
             else:  # joined: contribute zeros of the agreed shape
-                source = torch.zeros(shape, dtype=dtype, device=sig.device)
-                output = source
-            key = (compute, int(op), sig.prescale, post, pset.id, sig.device)
-            nbytes = source.numel() * itemsize(compute)
-            slot = _Slot(request, i, source, output)
-            if nbytes >= self._direct_threshold(backend) or nbytes >= self.fusion_threshold:
-                solo = _Bucket(key, compute, op, sig.prescale, post, pset, [slot], nbytes)
-                order.append(solo)
+                zeros = torch.zeros(shape, dtype=dtype, device=sig.device)
+                slot = _Slot(None, i, zeros, zeros)
+            pset = self._psets[ready.process_set]
+            if solo:
+                order.append(_Bucket(key, compute, op, sig.prescale, post, pset, [slot], nbytes))
                 continue
             bucket = buckets.get(key)
             if bucket is None or bucket.nbytes + nbytes > self.fusion_threshold:
@@ -165,6 +154,34 @@ class Executor:
                 order.append(bucket)
             bucket.slots.append(slot)
             bucket.nbytes += nbytes
+
+    def _plan_allreduce(self, ready: Ready, sig: Signature) -> list[tuple]:
+        """Per tensor: dtype, shape, compute dtype, backend op, postscale, bucket key, bytes, reduce alone?
+
+        Derived from the signatures only, so it is computed once per cached
+        request and reused every step.
+        """
+        pset = self._psets[ready.process_set]
+        backend = self._backend_for(sig.device)
+        if sig.op == ReduceOp.ADASUM:
+            raise UnsupportedError("op=Adasum is not supported by hora yet; use op=Average or op=Sum")
+        plan = []
+        for dtype_name, shape, _ in sig.tensors:
+            dtype = dtype_from_name(dtype_name)
+            compute = dtype if dtype in backend.reduce_dtypes else _UPCAST.get(dtype, dtype)
+            op, post = sig.op, sig.postscale
+            if op == ReduceOp.AVERAGE:
+                op, post = ReduceOp.SUM, post / pset.size
+            if dtype == torch.bool:
+                op = _BOOL_OPS[op]
+            numel = 1
+            for d in shape:
+                numel *= d
+            nbytes = numel * itemsize(compute)
+            solo = nbytes >= self._direct_threshold(backend) or nbytes >= self.fusion_threshold
+            key = (compute, int(op), sig.prescale, post, pset.id, sig.device)
+            plan.append((dtype, tuple(shape), compute, op, post, key, nbytes, solo))
+        return plan
 
     def _flush(self, bucket: _Bucket) -> None:
         device = bucket.slots[0].source.device
@@ -200,7 +217,7 @@ class Executor:
                     scale_(out, bucket.prescale)
             else:
                 scale_(out, bucket.prescale)
-            work = out.view(-1)
+            work = out  # backends take any contiguous tensor; a flat view would cost a dispatch
         else:
             work = src.to(bucket.compute_dtype).contiguous().view(-1)
             if work.data_ptr() == src.data_ptr():

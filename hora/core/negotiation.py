@@ -31,7 +31,7 @@ import msgpack
 import numpy as np
 
 from hora.core.ops import CollectiveType, ReduceOp
-from hora.errors import MismatchError
+from hora.errors import HoraError, MismatchError, UnsupportedError
 
 SLOT_PHASE2 = 0
 SLOT_JOINED = 1
@@ -88,10 +88,16 @@ class Ready:
     name: str
     process_set: int
     signatures: list[Signature | None]
-    error: MismatchError | None = None
+    error: HoraError | None = None
+    _first: Signature | None = dataclasses.field(default=None, repr=False)
+    #: the executor's cached plan for this request (reused while the Ready is cached)
+    plan: list | None = dataclasses.field(default=None, repr=False)
 
     def first(self) -> Signature:
-        return next(s for s in self.signatures if s is not None)
+        """The signature of the lowest rank that submitted (they agree when ``error`` is None)."""
+        if self._first is None:
+            self._first = next(s for s in self.signatures if s is not None)
+        return self._first
 
 
 class NameCache:
@@ -157,10 +163,15 @@ def resolve(
         for name, sig in ann.items():
             ann_by_name.setdefault(name, {})[rank] = sig
 
-    candidates = {int(i) for i in np.flatnonzero(np.asarray(totals[HEADER:]))}
-    candidates.update(cache.by_name[n].id for n in ann_by_name if n in cache.by_name)
+    counts = totals[HEADER:]
+    if len(counts) <= 64:  # a Python scan beats numpy's call overhead on short vectors
+        candidates = [i for i, c in enumerate(counts.tolist() if hasattr(counts, "tolist") else counts) if c]
+    else:
+        candidates = np.flatnonzero(np.asarray(counts)).tolist()
+    if ann_by_name:
+        candidates = sorted(set(candidates).union(cache.by_name[n].id for n in ann_by_name if n in cache.by_name))
     ready: list[Ready] = []
-    for entry in [cache.by_id[i] for i in sorted(candidates)]:
+    for entry in [cache.by_id[i] for i in candidates]:
         announced = ann_by_name.pop(entry.name, {})
         ranks = members.get(entry.process_set, ())
         count = int(totals[HEADER + entry.id]) + len(announced)
@@ -177,7 +188,8 @@ def resolve(
                 sigs[r] = announced[r]
             elif r not in joined:
                 sigs[r] = entry.signatures[r]
-        ready.append(_check(entry.name, entry.process_set, sigs, cache))
+        stand_ins = [r for r in ranks if r in joined and r not in announced]
+        ready.append(_check(entry.name, entry.process_set, sigs, cache, stand_ins))
 
     for name in sorted(ann_by_name):
         announced = ann_by_name[name]
@@ -187,13 +199,29 @@ def resolve(
         if not ranks or len(announced) + len(joined_members) != len(ranks):
             continue
         sigs = [announced.get(r) for r in range(world_size)]
-        ready.append(_check(name, pset, sigs, cache))
+        ready.append(_check(name, pset, sigs, cache, joined_members))
     return ready
 
 
-def _check(name: str, pset: int, raw: list[bytes | None], cache: NameCache) -> Ready:
+# Joined ranks stand in (with zeros) only for these; data collectives other than allreduce fail while a
+# rank is joined, as in Horovod.
+_JOINABLE = (CollectiveType.ALLREDUCE, CollectiveType.BARRIER, CollectiveType.ADD_PROCESS_SET,
+             CollectiveType.REMOVE_PROCESS_SET)
+
+
+def _check(name: str, pset: int, raw: list[bytes | None], cache: NameCache,
+           joined_members: Sequence[int] = ()) -> Ready:
     sigs = [Signature.decode(s) if s is not None else None for s in raw]
-    result = Ready(name, pset, sigs, validate(name, sigs))
+    error: HoraError | None = validate(name, sigs)
+    if error is None and joined_members:
+        kind = next(s for s in sigs if s is not None).kind
+        if kind not in _JOINABLE:
+            error = UnsupportedError(
+                f"{kind.label} of tensor {name!r} cannot run while rank(s) {sorted(joined_members)} have called "
+                "join(): only allreduce supports join (a joined rank contributes zeros). Call this collective "
+                "before join(), or use DistributedOptimizer(sparse_as_dense=True) for sparse gradients."
+            )
+    result = Ready(name, pset, sigs, error)
     if result.error is None:
         cache.remember(name, pset, raw, result)
     return result

@@ -13,7 +13,6 @@ import torch
 from hora.core.ops import CollectiveType, ReduceOp
 from hora.errors import HoraError
 
-
 # Encoding a signature costs more than the rest of a small collective's round;
 # training submits the same few signatures every step, so remember them.
 _SIGNATURES: dict[tuple, bytes] = {}
