@@ -98,6 +98,12 @@ class EngineConfig:
         start_timeout_seconds: how long rendezvous may take at ``init()``.
         timeline_filename: write a Chrome trace of engine activity here.
         mpi_threads: ask MPI for MPI_THREAD_MULTIPLE.
+        overlap: run asynchronous collectives on the engine thread as soon as
+            they are submitted, overlapping them with computation.  ``None``
+            (auto) overlaps only when each local rank has at least two CPU
+            cores: with one core per rank, communicating during backward only
+            makes the two threads fight for the core, and it is faster to
+            reduce everything when ``step()`` waits for it.
     """
 
     controller: str = "auto"
@@ -110,6 +116,7 @@ class EngineConfig:
     start_timeout_seconds: float = 30.0
     timeline_filename: str | None = None
     mpi_threads: bool = True
+    overlap: bool | None = None
 
     def __post_init__(self) -> None:
         if self.controller not in ("auto", "mpi", "gloo"):
@@ -159,6 +166,8 @@ class EngineConfig:
             start_timeout_seconds=_as_float(env, ("HORA_START_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS"), 30.0),
             timeline_filename=_lookup(env, "HORA_TIMELINE", "HOROVOD_TIMELINE"),
             mpi_threads=not _as_bool(env, ("HORA_MPI_THREADS_DISABLE", "HOROVOD_MPI_THREADS_DISABLE"), False),
+            overlap=None if (_lookup(env, "HORA_OVERLAP") or "auto") == "auto" else _as_bool(
+                env, ("HORA_OVERLAP",), True),
         )
         values.update(overrides)
         return cls(**values)

@@ -16,6 +16,7 @@ The engine is an object, not module state: ``init()`` -> ``shutdown()`` ->
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -50,7 +51,7 @@ from hora.errors import (
 
 log = logging.getLogger(__name__)
 
-_CALLER_SPIN_S = 0.02
+_CALLER_SPIN_S = 0.002
 
 _CONTROL = (CollectiveType.JOIN, CollectiveType.ADD_PROCESS_SET, CollectiveType.REMOVE_PROCESS_SET)
 
@@ -107,11 +108,15 @@ class Engine:
         self._stopped = threading.Event()
         self._round_cv = threading.Condition()
         self._round_busy = False
+        self._kicked = False
         self._last_round_at = time.monotonic()
         self._last_progress = True
         self._warned_at = 0.0
         self._next_stall_scan = 0.0
         self.idle_tick_s = 0.5
+        cores_per_rank = (os.cpu_count() or 1) // max(1, topology.local_size)
+        self.overlap = config.overlap if config.overlap is not None else (
+            cores_per_rank >= 2 or "cuda" in self._backends)
         self.rounds = 0
         if config.timeline_filename and self.rank == 0:
             log.warning("HORA_TIMELINE=%s: the timeline is not implemented yet; no trace will be written",
@@ -124,7 +129,9 @@ class Engine:
         """Queue a request; returns its handle immediately.
 
         ``wake=False`` is for a caller about to wait on the handle: its own
-        thread will run the round, so the engine thread is left asleep.
+        thread will run the round, so the engine thread is left asleep.  It
+        is also left asleep when ``overlap`` is off: the request then runs
+        when someone waits for it (or polls it).
 
         Raises:
             ShutdownError: the engine has stopped (locally, on another rank,
@@ -147,10 +154,16 @@ class Engine:
                     )
                 self._in_flight.add(request.key)
             self._incoming.append(request)
-            if wake:
+            if wake and self.overlap:
                 self._cv.notify()
         request.handle.driver = self.wait_for
         return request.handle
+
+    def kick(self) -> None:
+        """Have the engine thread run rounds for what is queued (``poll()`` calls this)."""
+        with self._cv:
+            self._kicked = True
+            self._cv.notify()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine on every rank; pending requests fail with ShutdownError.
@@ -276,17 +289,20 @@ class Engine:
                 if self._shutdown_requested or self._stopped.is_set():
                     return False
                 busy = self._round_busy
-                if not busy and self._incoming:
+                # Without overlap, queued work waits for whoever waits on it (or polls it).
+                eager = self.overlap or self._kicked
+                has_work = bool(self._pending or self._join_handle)
+                if not busy and eager and (self._incoming or (has_work and self._last_progress)):
+                    self._kicked = False
                     return False
-                if not busy and (self._pending or self._join_handle) and self._last_progress:
-                    return False
-                if self._pending or self._join_handle:
+                if has_work and eager:
                     deadline = self._last_round_at + self.config.cycle_time_ms / 1000.0
                 else:
                     deadline = self._last_round_at + self.idle_tick_s
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 and not busy:
-                    return not (self._pending or self._join_handle)
+                    self._kicked = False
+                    return True  # a tick: keep stall detection and shutdown moving
                 self._cv.wait(max(remaining, 0.001) if not busy else self.idle_tick_s)
 
     def _round(self, spin_s: float = 200e-6) -> bool:

@@ -89,12 +89,14 @@ class Runtime:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.process_sets: dict[int, ProcessSet] = {0: global_process_set}
-        self._names: dict[int, itertools.count] = {}
+        self._names: dict[tuple[str, int], itertools.count] = {}
 
     def auto_name(self, kind: str, process_set_id: int = 0) -> str:
         """Horovod-style generated name.  Counted per process set, because only
-        the members of a set submit its collectives."""
-        counter = self._names.setdefault(process_set_id, itertools.count())
+        the members of a set submit its collectives, and per kind, so that an
+        op one rank runs alone (an allgather that fails while another rank is
+        in join()) does not shift the names of every later op."""
+        counter = self._names.setdefault((kind, process_set_id), itertools.count())
         return f"{kind}.noname.{next(counter)}"
 
     def submit(self, request: Request, wake: bool = True) -> Handle:
