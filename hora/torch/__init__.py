@@ -5,6 +5,8 @@ Scripts written for ``horovod.torch`` run unchanged with this import.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from hora.core import runtime as _runtime
@@ -55,6 +57,7 @@ from hora.torch.mpi_ops import (
     poll,
     reducescatter,
     reducescatter_async,
+    sparse_allreduce_async,
     synchronize,
 )
 from hora.torch.optimizer import DistributedOptimizer
@@ -72,6 +75,23 @@ def init(comm=None, process_sets=None) -> None:
 def shutdown() -> None:
     """Stop hora on every rank; ``init()`` may be called again afterwards."""
     _runtime.shutdown()
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Horovod's switch for recording a timeline from now on.
+
+    hora does not write timelines yet, so this only warns (once per call
+    site); scripts that call it keep running.  Like Horovod, it raises
+    ``ValueError`` before ``init()``.
+    """
+    _runtime.current()
+    warnings.warn(f"hora does not write timelines yet; start_timeline({file_path!r}) records nothing",
+                  stacklevel=2)
+
+
+def stop_timeline() -> None:
+    """Horovod's switch for ending a timeline recording (a no-op in hora, see :func:`start_timeline`)."""
+    _runtime.current()
 
 
 def _topo():
@@ -164,4 +184,4 @@ def mpi_threads_supported() -> bool:
     return bool(getattr(backend, "threads_supported", False))
 
 
-__all__ = [name for name in dir() if not name.startswith("_") and name not in ("torch", "annotations")]
+__all__ = [name for name in dir() if not name.startswith("_") and name not in ("torch", "annotations", "warnings")]

@@ -3,7 +3,8 @@
 The backward of each collective is the collective that moves gradients back:
 allreduce's is an allreduce with the same operator, allgather's keeps this
 rank's slice of the averaged gradient, broadcast's sends the averaged
-gradient to the root only, alltoall's is the reverse alltoall.
+gradient to the root only, alltoall's is the reverse alltoall, and
+reducescatter's is an allgather.  Grouped forms do the same per tensor.
 """
 
 from __future__ import annotations
@@ -151,8 +152,58 @@ class HoraReducescatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         op, process_set, prescale, postscale = ctx.args
+        grad = _reducescatter_grad_scale(grad, op, process_set, prescale, postscale)
         gathered = mpi_ops._now(mpi_ops.allgather_async, grad.contiguous(), process_set=process_set)
-        scale = prescale * postscale
-        if ReduceOp(op) == ReduceOp.AVERAGE:
-            scale /= _ps_size_rank(process_set)[0]
-        return gathered * scale if scale != 1.0 else gathered, None, None, None, None, None
+        return gathered, None, None, None, None, None
+
+
+class HoraGroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.rows = [t.shape[0] if t.dim() else 1 for t in tensors]
+        ctx.process_set = process_set
+        return tuple(mpi_ops._now(mpi_ops.grouped_allgather_async, list(tensors), name=name,
+                                  process_set=process_set))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        reduced = mpi_ops._now(
+            mpi_ops.grouped_allreduce_async, [g.contiguous() for g in grads], op=ReduceOp.AVERAGE,
+            process_set=ctx.process_set,
+        )
+        rows = torch.tensor(ctx.rows, dtype=torch.int64).view(1, -1)
+        all_rows = mpi_ops._now(mpi_ops.allgather_async, rows, process_set=ctx.process_set)  # (size, n)
+        _, me = _ps_size_rank(ctx.process_set)
+        offsets = all_rows[:me].sum(0).tolist()
+        outs = [g.narrow(0, int(off), n) for g, off, n in zip(reduced, offsets, ctx.rows, strict=True)]
+        return (None, None, *outs)
+
+
+class HoraGroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, process_set, prescale, postscale, *tensors):
+        ctx.args = (op, process_set, prescale, postscale)
+        return tuple(mpi_ops._now(
+            mpi_ops.grouped_reducescatter_async, list(tensors), name=name, op=op, process_set=process_set,
+            prescale_factor=prescale, postscale_factor=postscale,
+        ))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, process_set, prescale, postscale = ctx.args
+        scaled = [_reducescatter_grad_scale(g, op, process_set, prescale, postscale).contiguous() for g in grads]
+        gathered = mpi_ops._now(mpi_ops.grouped_allgather_async, scaled, process_set=process_set)
+        return (None, None, None, None, None, *gathered)
+
+
+def _reducescatter_grad_scale(grad, op, process_set, prescale, postscale):
+    """Scale a reducescatter gradient before it is allgathered, as Horovod 0.28.1 does.
+
+    ``Sum`` multiplies by the process-set size, ``Average`` does not divide,
+    and the pre/postscale factors apply again.  Scripts ported from Horovod
+    are tuned to this convention, so hora keeps it.
+    """
+    scale = float(prescale) * float(postscale)
+    if ReduceOp(op) == ReduceOp.SUM:
+        scale *= _ps_size_rank(process_set)[0]
+    return grad * scale if scale != 1.0 else grad

@@ -65,6 +65,8 @@ def poll(handle: int) -> bool:
         entry = _handles.get(handle)
     if entry is None:
         raise ValueError(f"handle {handle} is unknown or was already synchronized")
+    if not entry[0].done():
+        runtime.current().engine.kick()
     return entry[0].done()
 
 
@@ -223,6 +225,42 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
                 process_set)
 
 
+def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_process_set) -> Callable[[], Any]:
+    """Start reducing a sparse COO tensor by allgathering its indices and values.
+
+    Returns:
+        A callable that waits and returns the reduced sparse tensor (duplicate
+        indices are left uncoalesced; ``Average`` divides the values by the
+        size of the process set).  Only ``Sum`` and ``Average`` are possible.
+    """
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
+        raise TypeError("sparse_allreduce_async expects a sparse COO tensor; use allreduce_async for dense ones")
+    op = _resolve_op(None, op)
+    if op not in (Average, Sum):
+        raise UnsupportedError(f"sparse_allreduce_async supports op=Average and op=Sum, not {ReduceOp(op).name}")
+    base = f"{name}." if name is not None else None
+    # Allgather concatenates along dim 0, so indices travel transposed: (nnz, sparse_dim).
+    indices = tensor._indices().t().contiguous()
+    values = tensor._values().contiguous()
+    indices_handle = allgather_async(indices, name=base and base + "indices", process_set=process_set)
+    values_handle = allgather_async(values, name=base and base + "values", process_set=process_set)
+    size = tensor.size()
+
+    def wait() -> torch.Tensor:
+        all_values = synchronize(values_handle)
+        all_indices = synchronize(indices_handle)
+        if op == Average:
+            all_values = all_values / _pset_size(process_set)
+        return torch.sparse_coo_tensor(all_indices.t(), all_values, size)
+
+    return wait
+
+
+def _pset_size(process_set: ProcessSet | None) -> int:
+    ps = global_process_set if process_set is None else process_set
+    return len(ps.ranks) if ps.ranks is not None else runtime.current().engine.size
+
+
 # ------------------------------------------------------------------ allgather
 def _gather_entries(tensors, what) -> list[Entry]:
     entries = []
@@ -255,8 +293,10 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set) 
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set) -> list[torch.Tensor]:
-    """Synchronous :func:`grouped_allgather_async`."""
-    return _now(grouped_allgather_async, tensors, name, process_set)
+    """Synchronous, differentiable :func:`grouped_allgather_async`."""
+    from hora.torch.autograd import HoraGroupedAllgather
+
+    return list(HoraGroupedAllgather.apply(name, process_set, *tensors))
 
 
 # ------------------------------------------------------------------ broadcast
@@ -299,42 +339,61 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> 
 
 # ------------------------------------------------------------------- alltoall
 def _splits_list(tensor: torch.Tensor, splits, n: int, what: str) -> list[int] | None:
+    if tensor.dim() == 0:
+        raise ValueError(f"{what} needs a tensor with at least one dimension (got a scalar); use t.view(1)")
     if splits is None:
-        if tensor.dim() == 0 or tensor.shape[0] % n:
+        if tensor.shape[0] % n:
             raise ValueError(
-                f"{what}: the first dimension ({tensor.shape[0] if tensor.dim() else 'scalar'}) must divide "
-                f"evenly among {n} ranks when no splits are given")
+                f"{what}: splits not given, and the first dimension ({tensor.shape[0]}) does not divide "
+                f"evenly among the {n} ranks of the process set")
         return None
-    values = splits.tolist() if isinstance(splits, torch.Tensor) else list(splits)
-    values = [int(v) for v in values]
+    if isinstance(splits, torch.Tensor):
+        if splits.dim() != 1:
+            raise ValueError(f"{what} expects a 1-D splits tensor, got shape {tuple(splits.shape)}")
+        if splits.is_floating_point() or splits.is_complex() or splits.dtype == torch.bool:
+            raise ValueError(f"{what} expects integer splits (torch.int32), got {splits.dtype}")
+        values = [int(v) for v in splits.tolist()]
+    else:
+        values = list(splits)
+        if any(not isinstance(v, int) for v in values):
+            raise ValueError(f"{what} expects integer splits, got {values}")
     if len(values) != n:
         raise ValueError(f"{what}: splits has {len(values)} entries but the process set has {n} ranks")
-    if any(v < 0 for v in values) or sum(values) != tensor.shape[0]:
-        raise ValueError(f"{what}: splits {values} must be non-negative and sum to the first dimension "
-                         f"({tensor.shape[0]})")
+    if any(v < 0 for v in values) or sum(values) > tensor.shape[0]:
+        raise ValueError(f"{what}: splits {values} must be non-negative and sum to at most the first "
+                         f"dimension ({tensor.shape[0]})")
     return values
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
-    """Start sending ``splits[i]`` rows of ``tensor`` to rank i and receiving from each."""
+    """Start sending ``splits[i]`` rows of ``tensor`` to rank i and receiving from each.
+
+    ``synchronize()`` returns ``(output, received_splits)``.  Rows past
+    ``sum(splits)`` are not sent, as in Horovod.
+    """
     _check_tensor(tensor, "alltoall")
     rt = runtime.current()
     ps = global_process_set if process_set is None else process_set
     n = len(ps.ranks) if ps.ranks is not None else rt.engine.size
-    entry = Entry(tensor.detach(), None, _splits_list(tensor, splits, n, "alltoall"))
-    h = _submit(CollectiveType.ALLTOALL, [entry], name, process_set=process_set)
+    values = _splits_list(tensor, splits, n, "alltoall")
+    source = tensor.detach()
+    if values is not None and sum(values) < source.shape[0]:
+        source = source[: sum(values)]
+    h = _submit(CollectiveType.ALLTOALL, [Entry(source, None, values)], name, process_set=process_set)
     return _register(h, lambda out: out[0])
 
 
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
-    """Scatter rows of ``tensor`` to all ranks and gather theirs.
+    """Scatter rows of ``tensor`` to all ranks and gather theirs; differentiable.
 
     Returns:
-        ``(output, received_splits)``; differentiable in ``output``.
+        The gathered output when ``splits`` is None (equal split), else
+        ``(output, received_splits)``, as Horovod does.
     """
     from hora.torch.autograd import HoraAlltoall
 
-    return HoraAlltoall.apply(tensor, splits, name, process_set)
+    output, received = HoraAlltoall.apply(tensor, splits, name, process_set)
+    return output if splits is None else (output, received)
 
 
 # -------------------------------------------------------------- reducescatter
@@ -381,13 +440,14 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
 
 def grouped_reducescatter(tensors, name=None, compression=None, op=Average, process_set=global_process_set,
                           prescale_factor=1.0, postscale_factor=1.0) -> list[torch.Tensor]:
-    """Synchronous :func:`grouped_reducescatter_async`."""
+    """Synchronous, differentiable :func:`grouped_reducescatter_async`."""
+    from hora.torch.autograd import HoraGroupedReducescatter
     from hora.torch.compression import Compression
 
     compression = compression or Compression.none
     pairs = [compression.compress(t) for t in tensors]
-    outs = _now(grouped_reducescatter_async, [c for c, _ in pairs], name, op, process_set, prescale_factor,
-                postscale_factor)
+    outs = HoraGroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor,
+                                          *[c for c, _ in pairs])
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs, strict=True)]
 
 

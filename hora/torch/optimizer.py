@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -65,6 +66,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._names = {id(p): n for n, p in named}
         else:
             self._names = {id(p): f"param.{i}" for i, p in enumerate(all_params)}
+        #: Horovod's public mapping, parameter -> the name its gradient is reduced under.
+        self._parameter_names = {p: self._names[id(p)] for p in all_params}
         self._params = [p for p in all_params if p.requires_grad]
 
         self._group_of: dict[int, int] = {}
@@ -86,9 +89,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._handles: dict[int, tuple[int, Any, list[torch.Tensor]]] = {}  # key -> (handle, ctxs, params)
         self._passes: dict[int, int] = {}
         self._group_ready: dict[int, list[torch.Tensor]] = {}
+        self._densified: set[int] = set()  # sparse grads reduced as dense (sparse_as_dense)
         self._synchronized = False
         self._should_synchronize = True
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+        # A rank outside the process set takes no part: its step() stays local, as in Horovod.
+        self._included = bool(process_set.included())
+        self._hooks = ([p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+                       if self._included else [])
 
     # -------------------------------------------------------------- hooks
     def _on_grad_ready(self, p: torch.Tensor) -> None:
@@ -107,17 +114,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _grad_of(self, p: torch.Tensor) -> torch.Tensor:
         if p.grad is None:
+            # Unused on this rank this step: other ranks may have a gradient, so reduce zeros.
             p.grad = torch.zeros_like(p)
         if p.grad.is_sparse:
             if not self._sparse_as_dense:
-                raise HoraError("sparse gradients are not supported yet; pass sparse_as_dense=True to "
-                                "DistributedOptimizer")
+                raise HoraError(f"parameter {self._names[id(p)]!r} has a sparse gradient; it cannot be "
+                                "reduced in a group: pass sparse_as_dense=True to DistributedOptimizer")
             p.grad = p.grad.to_dense()
+            self._densified.add(id(p))
         return p.grad
 
     def _submit(self, p: torch.Tensor) -> None:
         gi = self._group_of.get(id(p))
         if gi is None:
+            if p.grad is not None and p.grad.is_sparse and not self._sparse_as_dense:
+                self._start_sparse(p)
+                return
             self._start([p], self._names[id(p)], id(p))
             return
         ready = self._group_ready.setdefault(gi, [])
@@ -141,6 +153,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         )
         self._handles[key] = (handle, (grads, ctxs), params)
 
+    def _start_sparse(self, p: torch.Tensor) -> None:
+        """Reduce a sparse gradient by allgathering its indices and values (no densifying)."""
+        if self._op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise HoraError(f"sparse gradients support op=Average or op=Sum, not {self._op.name}")
+        wait = mpi_ops.sparse_allreduce_async(p.grad, name=f"allreduce.{self._names[id(p)]}", op=self._op,
+                                              process_set=self._process_set)
+        self._handles[id(p)] = (wait, None, [p])
+
     # ----------------------------------------------------------- protocol
     def synchronize(self) -> None:
         """Wait for every gradient's allreduce; afterwards ``p.grad`` holds the averaged gradient.
@@ -149,6 +169,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         pass) are reduced too, with zero gradients, so every rank submits the
         same set of tensors and nothing hangs.
         """
+        if not self._included:
+            self._synchronized = True
+            return
         for gi, ready in list(self._group_ready.items()):
             for p in self._groups[gi]:
                 if not any(q is p for q in ready):
@@ -158,15 +181,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in self._params:
             key = id(p)
             if key not in self._handles and key not in self._group_of:
-                self._start([p], self._names[key], key)
+                self._submit(p)
         for gi, group in enumerate(self._groups):
             if -1 - gi not in self._handles:
                 self._start(group, f"group.{gi}", -1 - gi)
-        for handle, (grads, ctxs), params in self._handles.values():
+        for handle, payload, params in self._handles.values():
+            if payload is None:  # a sparse gradient: the handle is a callable returning the sum
+                params[0].grad = handle()
+                continue
+            grads, ctxs = payload
             mpi_ops.synchronize(handle)
             for p, g, ctx in zip(params, grads, ctxs, strict=True):
                 if ctx is not None or g is not p.grad:
                     p.grad.copy_(self._compression.decompress(g, ctx))
+        for p in self._params:
+            if id(p) in self._densified:
+                p.grad = p.grad.to_sparse()
+        self._densified.clear()
         self._handles.clear()
         self._passes.clear()
         self._synchronized = True
@@ -183,8 +214,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if self._should_synchronize:
             if self._synchronized:
-                log.warning("optimizer.step() called without a new backward pass after synchronize(); "
-                            "wrap step() in optimizer.skip_synchronize() after calling synchronize() yourself")
+                # Horovod's wording, which scripts and tests look for.
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown. You may want to consider using "
+                    "optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.",
+                    stacklevel=2,
+                )
             self.synchronize()
         self._synchronized = False
         return self._opt.step(closure)
