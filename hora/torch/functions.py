@@ -112,9 +112,9 @@ def _materialize_state(optimizer: torch.optim.Optimizer, model: Any) -> None:
     """Create a fresh optimizer's per-parameter state (momentum buffers, step counts...).
 
     Runs one step of the optimizer itself (never the distributed wrapper, so
-    no allreduce) on zero gradients for the parameters that have none, and
-    restores the parameters afterwards: only the state changes.  The zero
-    gradients stay, as in Horovod.
+    no allreduce) on zero gradients, then puts the parameters and any
+    existing gradients back: only the state changes.  Parameters that had no
+    gradient keep the zero one, as in Horovod.
     """
     sparse_ids: set[int] = set()
     if isinstance(optimizer, torch.optim.SparseAdam):
@@ -124,15 +124,19 @@ def _materialize_state(optimizer: torch.optim.Optimizer, model: Any) -> None:
             if isinstance(module, torch.nn.Embedding | torch.nn.EmbeddingBag) and module.sparse:
                 sparse_ids.update(id(p) for p in module.parameters(recurse=False))
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    saved_grads = [p.grad for p in params]
+    saved_params = [p.detach().clone() for p in params]
     for p in params:
-        if p.grad is None:
-            zeros = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            p.grad = zeros.to_sparse() if id(p) in sparse_ids else zeros
-    saved = [p.detach().clone() for p in params]
+        zeros = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        p.grad = zeros.to_sparse() if id(p) in sparse_ids else zeros
     optimizer.step()
     with torch.no_grad():
-        for p, before in zip(params, saved, strict=True):
+        for p, before, grad in zip(params, saved_params, saved_grads, strict=True):
             p.copy_(before)
+            if grad is not None:
+                p.grad = grad
+            else:  # fresh zeros: some optimizers add weight decay to the gradient in place
+                p.grad.zero_()
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None,

@@ -19,7 +19,7 @@ from hora.core import runtime
 from hora.core.ops import CollectiveType, ReduceOp
 from hora.core.request import Entry, Handle, Request
 from hora.core.runtime import ProcessSet, global_process_set
-from hora.errors import ConfigError, UnsupportedError
+from hora.errors import ConfigError, HoraError, UnsupportedError
 
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
@@ -37,6 +37,28 @@ _SUPPORTED = {
 _handles: dict[int, tuple[Handle, Callable[[Any], Any]]] = {}
 _handle_ids = itertools.count(1)
 _handles_lock = threading.Lock()
+# (kind, name, process set) -> handle id, for names whose completion the program has not yet seen
+# (through synchronize() or a poll() that returned True).  Submitting such a name again is an error
+# whether or not the first op happens to have finished already, so the outcome never depends on timing.
+_unobserved: dict[tuple[int, str, int], int] = {}
+
+
+class _DuplicateNameError(HoraError, ValueError):
+    pass
+
+
+def _forget_handles() -> None:
+    """Drop every handle (at shutdown: they belong to the engine that stopped)."""
+    with _handles_lock:
+        _handles.clear()
+        _unobserved.clear()
+
+
+def _observed(hid: int, handle: Handle) -> None:
+    request = handle.request
+    key = (int(request.kind), request.name, request.process_set_id)
+    if _unobserved.get(key) == hid:
+        del _unobserved[key]
 
 
 _local = threading.local()
@@ -53,9 +75,11 @@ def _now(async_fn: Callable[..., int], *args: Any, **kwargs: Any) -> Any:
 
 
 def _register(handle: Handle, finish: Callable[[Any], Any]) -> int:
+    request = handle.request
     with _handles_lock:
         hid = next(_handle_ids)
         _handles[hid] = (handle, finish)
+        _unobserved[(int(request.kind), request.name, request.process_set_id)] = hid
     return hid
 
 
@@ -67,7 +91,11 @@ def poll(handle: int) -> bool:
         raise ValueError(f"handle {handle} is unknown or was already synchronized")
     if not entry[0].done():
         runtime.current().engine.kick()
-    return entry[0].done()
+    if not entry[0].done():
+        return False
+    with _handles_lock:
+        _observed(handle, entry[0])
+    return True
 
 
 def synchronize(handle: int) -> Any:
@@ -79,6 +107,8 @@ def synchronize(handle: int) -> Any:
     """
     with _handles_lock:
         entry = _handles.pop(handle, None)
+        if entry is not None:
+            _observed(handle, entry[0])
     if entry is None:
         raise ValueError(f"handle {handle} is unknown or was already synchronized")
     engine_handle, finish = entry
@@ -121,6 +151,11 @@ def _submit(
 ) -> Handle:
     rt = runtime.current()
     pset = _pset_id(process_set)
+    if name is not None and (int(kind), name, pset) in _unobserved:
+        raise _DuplicateNameError(
+            f"{kind.label} named {name!r} was submitted while an earlier {kind.label} with that name has not "
+            "been synchronized yet; use a different name, or synchronize() the first handle before reusing it"
+        )
     request = Request(
         name or rt.auto_name(kind.label, pset), kind, entries, process_set_id=pset, op=op, root=root,
         prescale=float(prescale), postscale=float(postscale),
@@ -251,7 +286,7 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_pro
         all_indices = synchronize(indices_handle)
         if op == Average:
             all_values = all_values / _pset_size(process_set)
-        return torch.sparse_coo_tensor(all_indices.t(), all_values, size)
+        return torch.sparse_coo_tensor(all_indices.t(), all_values, size, check_invariants=False)
 
     return wait
 

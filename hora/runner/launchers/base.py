@@ -30,16 +30,23 @@ class Slot:
     host: str
 
     def env(self) -> dict[str, str]:
-        """The rank-specific part of a worker's environment."""
-        return {
-            "HORA_RANK": str(self.rank),
-            "HORA_SIZE": str(self.size),
-            "HORA_LOCAL_RANK": str(self.local_rank),
-            "HORA_LOCAL_SIZE": str(self.local_size),
-            "HORA_CROSS_RANK": str(self.cross_rank),
-            "HORA_CROSS_SIZE": str(self.cross_size),
-            "HORA_HOSTNAME": self.host,
+        """The rank-specific part of a worker's environment.
+
+        The ``HOROVOD_*`` copies are what horovodrun exports; scripts and test
+        suites written for Horovod read them.
+        """
+        values = {
+            "RANK": str(self.rank),
+            "SIZE": str(self.size),
+            "LOCAL_RANK": str(self.local_rank),
+            "LOCAL_SIZE": str(self.local_size),
+            "CROSS_RANK": str(self.cross_rank),
+            "CROSS_SIZE": str(self.cross_size),
+            "HOSTNAME": self.host,
         }
+        env = {f"HORA_{k}": v for k, v in values.items()}
+        env.update({f"HOROVOD_{k}": v for k, v in values.items()})
+        return env
 
 
 def assign_ranks(hosts: Sequence[HostSlots], num_proc: int) -> list[Slot]:
