@@ -185,9 +185,6 @@ class Engine:
     def running(self) -> bool:
         return not self._stopped.is_set()
 
-    def backend_for(self, device: str) -> Backend:
-        return self._backend_for(device)
-
     # ------------------------------------------------------------- the loop
     def _main(self) -> None:
         while not self._stopped.is_set():

@@ -283,8 +283,6 @@ class Executor:
     def _broadcast(self, entry, root_index, backend, group) -> torch.Tensor:
         out = entry.output
         work = out if out.is_contiguous() else out.contiguous()
-        if work is not entry.input and out is not entry.input:
-            pass
         backend.broadcast_(_as_bytes(work), root_index, group)
         if work.data_ptr() != out.data_ptr():
             out.copy_(work)
