@@ -109,10 +109,16 @@ _DONE = threading.Condition()
 class Handle:
     """An in-flight request; ``wait()`` returns its outputs or raises its error."""
 
-    __slots__ = ("_request", "_done", "_result", "_error", "driver", "__weakref__")
+    __slots__ = ("_request", "name", "ident", "_done", "_result", "_error", "driver", "__weakref__")
 
     def __init__(self, request: Request) -> None:
-        self._request = request
+        # Request and handle point at each other while the request is in flight; _finish()
+        # cuts the link so that the tensors go back to the allocator as soon as the caller
+        # drops the handle, not whenever the cyclic garbage collector next runs.
+        self._request: Request | None = request
+        self.name = request.name
+        #: (kind, name, process set id): what identifies the request after it finished
+        self.ident = (int(request.kind), request.name, request.process_set_id)
         self._done = False
         self._result: Any = None
         self._error: BaseException | None = None
@@ -120,11 +126,8 @@ class Handle:
         self.driver: Callable[[Handle], None] | None = None
 
     @property
-    def name(self) -> str:
-        return self._request.name
-
-    @property
-    def request(self) -> Request:
+    def request(self) -> Request | None:
+        """The request while it is in flight; None once it finished."""
         return self._request
 
     def done(self) -> bool:
@@ -149,6 +152,7 @@ class Handle:
         return self._result
 
     def _finish(self) -> None:
+        self._request = None
         with _DONE:
             self._done = True
             _DONE.notify_all()

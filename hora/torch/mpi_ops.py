@@ -55,10 +55,8 @@ def _forget_handles() -> None:
 
 
 def _observed(hid: int, handle: Handle) -> None:
-    request = handle.request
-    key = (int(request.kind), request.name, request.process_set_id)
-    if _unobserved.get(key) == hid:
-        del _unobserved[key]
+    if _unobserved.get(handle.ident) == hid:
+        del _unobserved[handle.ident]
 
 
 _local = threading.local()
@@ -75,11 +73,10 @@ def _now(async_fn: Callable[..., int], *args: Any, **kwargs: Any) -> Any:
 
 
 def _register(handle: Handle, finish: Callable[[Any], Any]) -> int:
-    request = handle.request
     with _handles_lock:
         hid = next(_handle_ids)
         _handles[hid] = (handle, finish)
-        _unobserved[(int(request.kind), request.name, request.process_set_id)] = hid
+        _unobserved[handle.ident] = hid
     return hid
 
 
