@@ -18,7 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from hora.kvstore import lr_scheduler, optimizer
 from hora.kvstore.base import KVStore
+from hora.kvstore.lr_scheduler import FactorScheduler, LRScheduler, MultiFactorScheduler, PolyScheduler
+from hora.kvstore.optimizer import SGD, Adam, Optimizer, Updater, create_updater
 
 TYPES = ("local", "device", "dist_sync", "dist_device_sync", "dist_async", "dist_sync_allreduce")
 
@@ -46,4 +49,16 @@ def create(name: str = "local", **kwargs: Any) -> KVStore:
     return DistKVStore(name, **kwargs)
 
 
-__all__ = ["KVStore", "TYPES", "create"]
+def __getattr__(name: str) -> Any:
+    # DataParallelTrainer needs torch; import it only when asked for, so that NumPy-only users
+    # (and parameter servers) never load torch.
+    if name == "DataParallelTrainer":
+        from hora.kvstore.trainer import DataParallelTrainer
+
+        return DataParallelTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["KVStore", "TYPES", "create", "optimizer", "lr_scheduler", "Optimizer", "SGD", "Adam", "Updater",
+           "create_updater", "LRScheduler", "FactorScheduler", "MultiFactorScheduler", "PolyScheduler",
+           "DataParallelTrainer"]

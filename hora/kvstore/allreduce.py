@@ -1,0 +1,233 @@
+"""``dist_sync_allreduce``: the KVStore API carried by hora's allreduce engine, with no servers.
+
+This is the store the MPI-allreduce proposal asked MXNet for (``dist_sync_mpi``):
+
+* ``init`` broadcasts rank 0's value to every rank.
+* ``push(key, [v0, v1, ...])`` sums the per-device values locally (on the
+  first value's device), then submits an asynchronous allreduce (SUM) of the
+  sum to the engine and returns.  Pushes of many keys are in flight together
+  and the engine fuses them into few backend calls.
+* The first ``pull`` (or the next ``push``) of a key waits for its
+  allreduce, then applies the updater: the optimizer set with
+  :meth:`AllreduceKVStore.set_optimizer`, run identically on every rank, or
+  plain assignment of the sum.  ``pull`` copies the stored value out.
+* With 2-bit compression each rank quantises its local sum (with a per-key
+  residual), the packed words are allgathered, and every rank decodes and sums
+  all ranks' contributions in rank order (what a server does under
+  ``dist_sync``).
+
+Rank and size come from the engine; the engine is started on first use when
+``hora.init()`` has not been called, and left running by :meth:`close` (other
+bindings in the process may share it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from typing import Any
+
+import numpy as np
+
+from hora.core import runtime
+from hora.core.ops import CollectiveType, ReduceOp
+from hora.core.request import Entry, Handle, Request
+from hora.errors import ConfigError, HoraError
+from hora.kvstore.arrays import Array, converted, copy_into, copy_of, device_of, dtype_name, numpy_of, shape_of
+from hora.kvstore.base import KVStore
+from hora.kvstore.compression import Compressor, create_compressor
+from hora.kvstore.optimizer import Optimizer, Updater, updater_for
+
+log = logging.getLogger(__name__)
+
+_SUPPORTED = ("uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64", "bool")
+_store_ids = itertools.count()
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    """A push whose collective is in flight."""
+
+    handle: Handle
+    merged: Array  # the local sum (reduced in place unless compressed)
+    compressed: bool
+
+
+class AllreduceKVStore(KVStore):
+    """The ``dist_sync_allreduce`` store.  Create it with ``hora.kvstore.create('dist_sync_allreduce')``.
+
+    Every rank must create its stores in the same order and call ``init``,
+    ``push`` and ``barrier`` for the same keys (in any order within a step).
+    """
+
+    def __init__(self, kv_type: str = "dist_sync_allreduce") -> None:
+        if kv_type != "dist_sync_allreduce":
+            raise ConfigError(f"AllreduceKVStore serves 'dist_sync_allreduce', not {kv_type!r}")
+        super().__init__(kv_type)
+        runtime.init()  # idempotent: joins the running engine when there is one
+        self._prefix = f"kvstore{next(_store_ids)}"
+        self._store: dict[str, Array] = {}
+        self._pending: dict[str, _Pending] = {}
+        self._updater: Updater | None = None
+        self._compressor: Compressor | None = None
+
+    # --- identity ---------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This process's rank in the engine."""
+        return runtime.current().engine.rank
+
+    @property
+    def num_workers(self) -> int:
+        """Number of ranks in the engine."""
+        return runtime.current().engine.size
+
+    # --- MXNet API ------------------------------------------------------------------------------
+    def set_optimizer(self, optimizer: Optimizer | dict | str) -> None:
+        """Run ``optimizer`` on every rank after each key's allreduce (an Optimizer, spec dict or name)."""
+        self._settle_all()
+        self._updater = updater_for(optimizer)
+
+    def set_gradient_compression(self, compression_params: dict[str, Any]) -> None:
+        """Compress pushes (``{'type': '2bit', 'threshold': t}``); the same params on every rank."""
+        self._settle_all()
+        self._compressor = create_compressor(compression_params)
+
+    def barrier(self) -> None:
+        """Finish this rank's pushes in flight, then wait until every rank reaches the barrier."""
+        self._settle_all()
+        rt = runtime.current()
+        rt.submit(Request(rt.auto_name("barrier"), CollectiveType.BARRIER, []), wake=False).wait()
+
+    def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
+        """Write this rank's optimizer state (the same on every rank) to ``fname``."""
+        self._settle_all()
+        data = self._optimizer_updater("save").get_states(dump_optimizer)
+        with open(fname, "wb") as f:
+            f.write(data)
+
+    def load_optimizer_states(self, fname: str) -> None:
+        """Restore optimizer state; every rank should load the same file."""
+        self._settle_all()
+        updater = self._optimizer_updater("load")
+        with open(fname, "rb") as f:
+            updater.set_states(f.read())
+
+    def close(self) -> None:
+        """Finish pushes in flight (the engine keeps running).  Idempotent."""
+        try:
+            self._settle_all()
+        except HoraError as e:
+            log.warning("closing KVStore %s with pushes that failed: %s", self._prefix, e)
+            self._pending.clear()
+
+    # --- hooks ----------------------------------------------------------------------------------
+    def _init(self, keys: list[str], values: list[Array]) -> None:
+        for key, value in zip(keys, values, strict=True):
+            if key in self._store:
+                raise ConfigError(f"key {self._user_key(key)!r} is already initialised; init() each key once")
+            if dtype_name(value) not in _SUPPORTED:
+                raise ConfigError(f"key {self._user_key(key)!r} has dtype {dtype_name(value)}, which the allreduce "
+                                  f"engine does not carry; use one of: {', '.join(_SUPPORTED)}")
+        copies = [copy_of(v) for v in values]
+        handles = [self._submit(CollectiveType.BROADCAST, copy, f"{self._prefix}.init.{key}", root=0, wake=False)
+                   for key, copy in zip(keys, copies, strict=True)]
+        for handle in handles:
+            handle.wait()
+        for key, copy in zip(keys, copies, strict=True):
+            self._store[key] = copy
+
+    def _push(self, keys: list[str], values: list[list[Array]], priority: int) -> None:
+        for key, vals in zip(keys, values, strict=True):
+            stored = self._stored(key, "push")
+            self._check_shapes(key, vals, stored, "pushed")
+            self._settle(key)
+            merged = copy_of(vals[0], like=stored, device=device_of(vals[0]))
+            for v in vals[1:]:
+                merged += converted(v, merged)
+            name = f"{self._prefix}.push.{key}"
+            if self._compressor is None:
+                handle = self._submit(CollectiveType.ALLREDUCE, merged, name)
+                self._pending[key] = _Pending(handle, merged, compressed=False)
+            else:
+                packed = self._compressor.compress(key, numpy_of(merged))
+                handle = self._submit(CollectiveType.ALLGATHER, packed.view(np.int32), name, gather=True)
+                self._pending[key] = _Pending(handle, merged, compressed=True)
+
+    def _pull(self, keys: list[str], outs: list[list[Array]], priority: int) -> None:
+        for key in keys:
+            self._stored(key, "pull")
+        for key in keys:
+            self._settle(key)
+        for key, targets in zip(keys, outs, strict=True):
+            stored = self._store[key]
+            self._check_shapes(key, targets, stored, "out")
+            for out in targets:
+                copy_into(out, stored)
+
+    # --- internals --------------------------------------------------------------------------------
+    def _submit(self, kind: CollectiveType, value: Array, name: str, *, root: int = -1, wake: bool = True,
+                gather: bool = False) -> Handle:
+        import torch
+
+        tensor = torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else value
+        if tensor.is_cuda:  # the engine's streams must see the values computed on the current one
+            torch.cuda.current_stream(tensor.device).synchronize()
+        entry = Entry(tensor, None if gather else tensor)
+        request = Request(name, kind, [entry], op=ReduceOp.SUM, root=root)
+        return runtime.current().submit(request, wake=wake)
+
+    def _settle(self, key: str) -> None:
+        """Wait for the key's push in flight (if any) and apply it to the stored value."""
+        pending = self._pending.pop(key, None)
+        if pending is None:
+            return
+        result = pending.handle.wait()
+        merged = pending.merged
+        if pending.compressed:
+            merged = self._decode_all(key, result[0], merged)
+        stored = self._store[key]
+        if device_of(merged) != device_of(stored):
+            stored = self._store[key] = converted(stored, merged)  # the value follows the merge
+        if self._updater is None:
+            self._store[key] = merged
+        else:
+            self._updater(key, merged, stored)
+
+    def _decode_all(self, key: str, gathered: Any, like: Array) -> Array:
+        words = numpy_of(gathered).view(np.uint32).reshape(self.num_workers, -1)
+        size = int(np.prod(shape_of(like), dtype=np.int64))
+        total = self._compressor.decompress(words[0], size)
+        for r in range(1, words.shape[0]):
+            total += self._compressor.decompress(words[r], size)
+        return converted(total.reshape(shape_of(like)), like)
+
+    def _settle_all(self) -> None:
+        for key in list(self._pending):
+            self._settle(key)
+
+    def _user_key(self, key: str) -> Any:
+        return int(key) if self._key_kind is int else key
+
+    def _stored(self, key: str, what: str) -> Array:
+        stored = self._store.get(key)
+        if stored is None:
+            raise ConfigError(f"cannot {what} key {self._user_key(key)!r}: it has not been initialised; "
+                              "call init(key, value) first")
+        return stored
+
+    def _check_shapes(self, key: str, arrays: list[Array], stored: Array, what: str) -> None:
+        for i, a in enumerate(arrays):
+            if shape_of(a) != shape_of(stored):
+                raise ConfigError(f"key {self._user_key(key)!r}: {what} array {i} has shape {shape_of(a)} but "
+                                  f"the key was initialised with shape {shape_of(stored)}")
+
+    def _optimizer_updater(self, what: str) -> Updater:
+        if self._updater is None:
+            raise ConfigError(f"cannot {what} optimizer states: no optimizer is set on this KVStore "
+                              "(call set_optimizer() first)")
+        return self._updater
+
+
+__all__ = ["AllreduceKVStore"]

@@ -1,0 +1,363 @@
+"""hora.kvstore.optimizer: MXNet 1.9's update rules, schedules, specs and saved state."""
+
+from __future__ import annotations
+
+import math
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from hora.errors import ConfigError
+from hora.kvstore import optimizer as kvopt
+from hora.kvstore.lr_scheduler import FactorScheduler, MultiFactorScheduler, PolyScheduler, scheduler_from_spec
+
+f32 = np.float32
+
+
+def _grads(n: int, steps: int, seed: int = 0, scale: float = 1.0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(n) * scale).astype(f32) for _ in range(steps)]
+
+
+def _w0(n: int = 7) -> np.ndarray:
+    return np.linspace(-1.5, 2.0, n, dtype=f32)
+
+
+# --------------------------------------------------------------------------------- SGD
+def _sgd_reference(w, grads, lr, momentum, wd, rescale, clip):
+    """MXNet's sgd_mom_update kernel, written out per step in float32 in the kernel's order."""
+    w = w.copy()
+    mom = np.zeros_like(w)
+    for g in grads:
+        if clip is not None:
+            term = f32(lr) * np.clip(f32(rescale) * g, -f32(clip), f32(clip))
+        else:
+            term = (f32(lr) * f32(rescale)) * g
+        mom = f32(momentum) * mom - (f32(lr) * f32(wd)) * w - term
+        w = w + mom
+    return w, mom
+
+
+@pytest.mark.parametrize("clip", [None, 0.3])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_matches_mxnet_kernel_bit_for_bit(momentum, clip):
+    grads = _grads(7, 6)
+    ref_w, ref_mom = _sgd_reference(_w0(), grads, 0.1, momentum, 0.01, 0.5, clip)
+    upd = kvopt.create_updater(kvopt.SGD(learning_rate=0.1, momentum=momentum, wd=0.01, rescale_grad=0.5,
+                                         clip_gradient=clip).spec())
+    w = _w0()
+    for g in grads:
+        upd("k", g, w)
+    np.testing.assert_array_equal(w, ref_w)
+    states = upd.key_states("k")
+    assert int(states["num_update"]) == len(grads)
+    if momentum:
+        np.testing.assert_array_equal(states["mom"], ref_mom)
+    else:
+        assert set(states) == {"num_update"}  # plain SGD keeps no state
+
+
+@pytest.mark.parametrize("clip", [None, 0.0, -1.0])
+def test_clip_gradient_off_for_none_zero_and_negative(clip):
+    """MXNet clips only when clip_gradient is a positive number."""
+    g = np.array([10.0, -10.0], f32)
+    w = np.zeros(2, f32)
+    kvopt.Updater(kvopt.SGD(learning_rate=1.0, clip_gradient=clip))("k", g, w)
+    np.testing.assert_array_equal(w, -g)
+
+
+def test_sgd_equals_torch_sgd_with_momentum_and_weight_decay():
+    """With a constant rate MXNet's momentum form is torch's scaled by -lr: same trajectory."""
+    grads = _grads(7, 10, seed=3)
+    upd = kvopt.Updater(kvopt.SGD(learning_rate=0.05, momentum=0.9, wd=1e-3))
+    w = _w0()
+    p = torch.nn.Parameter(torch.from_numpy(_w0()))
+    opt = torch.optim.SGD([p], lr=0.05, momentum=0.9, weight_decay=1e-3)
+    for g in grads:
+        upd("k", g, w)
+        p.grad = torch.from_numpy(g.copy())
+        opt.step()
+    np.testing.assert_allclose(w, p.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+# -------------------------------------------------------------------------------- Adam
+def _adam_reference(w, grads, lr, b1, b2, eps, wd, rescale, clip):
+    """Adam as MXNet's python class + adam_update kernel define it, in float64 except that the
+    kernel's ``1 - beta`` is computed from float32 betas (the kernel's DType)."""
+    w = w.astype(np.float64)
+    m = np.zeros_like(w)
+    v = np.zeros_like(w)
+    c1, c2 = float(f32(1) - f32(b1)), float(f32(1) - f32(b2))
+    for t, g in enumerate(grads, start=1):
+        lr_t = lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+        g = g * rescale + wd * w
+        if clip is not None:
+            g = np.clip(g, -clip, clip)
+        m = float(f32(b1)) * m + c1 * g
+        v = float(f32(b2)) * v + c2 * g * g
+        w = w - lr_t * m / (np.sqrt(v) + eps)
+    return w, m, v
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_adam_matches_mxnet_rule(clip):
+    grads = _grads(7, 8, seed=5)
+    ref_w, ref_m, ref_v = _adam_reference(_w0(), grads, 0.01, 0.9, 0.999, 1e-8, 0.01, 0.5, clip)
+    upd = kvopt.create_updater({"type": "adam", "learning_rate": 0.01, "wd": 0.01, "rescale_grad": 0.5,
+                                "clip_gradient": clip})
+    w = _w0()
+    for g in grads:
+        upd("k", g, w)
+    np.testing.assert_allclose(w, ref_w, rtol=1e-5, atol=1e-6)
+    states = upd.key_states("k")
+    np.testing.assert_allclose(states["mean"], ref_m, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(states["var"], ref_v, rtol=1e-5, atol=1e-9)
+
+
+def test_adam_close_to_torch_adam():
+    """Only epsilon's placement differs from torch (inside vs outside the bias correction)."""
+    grads = _grads(7, 10, seed=6)
+    upd = kvopt.Updater(kvopt.Adam(learning_rate=0.01, wd=1e-3))
+    w = _w0()
+    p = torch.nn.Parameter(torch.from_numpy(_w0()))
+    opt = torch.optim.Adam([p], lr=0.01, weight_decay=1e-3)
+    for g in grads:
+        upd("k", g, w)
+        p.grad = torch.from_numpy(g.copy())
+        opt.step()
+    np.testing.assert_allclose(w, p.detach().numpy(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: kvopt.SGD(learning_rate=0.1, momentum=0.9, wd=0.01, clip_gradient=0.4, rescale_grad=0.25),
+    lambda: kvopt.Adam(learning_rate=0.01, wd=0.01, clip_gradient=0.8),
+], ids=["sgd", "adam"])
+def test_numpy_and_torch_paths_agree_bitwise(make):
+    grads = _grads(33, 5, seed=9)
+    up_np, up_t = kvopt.Updater(make()), kvopt.Updater(make())
+    w_np = _w0(33)
+    w_t = torch.from_numpy(_w0(33))
+    for g in grads:
+        up_np("k", g, w_np)
+        up_t("k", torch.from_numpy(g.copy()), w_t)
+    np.testing.assert_array_equal(w_np, w_t.numpy())
+
+
+def test_multi_precision_keeps_float32_master_copy():
+    opt = kvopt.SGD(learning_rate=0.001, multi_precision=True)
+    upd = kvopt.Updater(opt)
+    w = np.ones(4, np.float16)
+    for _ in range(3):
+        upd("k", np.full(4, 0.1, np.float16), w)
+    master = upd.key_states("k")["weight32"]
+    assert master.dtype == np.float32
+    np.testing.assert_allclose(master, 1 - 3 * 0.001 * np.float32(np.float16(0.1)), rtol=1e-6)
+    np.testing.assert_array_equal(w, master.astype(np.float16))
+
+
+# --------------------------------------------------------------------------- schedules
+def test_factor_scheduler_values_and_floor():
+    s = FactorScheduler(step=2, factor=0.5, stop_factor_lr=0.2, base_lr=1.0)
+    assert [s(n) for n in range(1, 9)] == [1.0, 1.0, 0.5, 0.5, 0.25, 0.25, 0.2, 0.2]
+    # a fresh scheduler catches up in one call (restoring from a checkpoint)
+    assert FactorScheduler(step=2, factor=0.5, base_lr=1.0)(5) == 0.25
+
+
+def test_multifactor_scheduler_values():
+    s = MultiFactorScheduler(step=[2, 4], factor=0.1, base_lr=1.0)
+    got = [s(n) for n in range(1, 7)]
+    np.testing.assert_allclose(got, [1.0, 1.0, 0.1, 0.1, 0.01, 0.01])
+    with pytest.raises(ConfigError, match="increasing"):
+        MultiFactorScheduler(step=[3, 3], factor=0.1)
+
+
+def test_poly_scheduler_values_and_warmup():
+    s = PolyScheduler(max_update=4, base_lr=1.0, pwr=2)
+    np.testing.assert_allclose([s(n) for n in range(0, 6)], [1.0, 0.5625, 0.25, 0.0625, 0.0, 0.0])
+    s = PolyScheduler(max_update=4, base_lr=1.0, pwr=2, final_lr=0.1)
+    assert s(2) == pytest.approx(0.1 + 0.9 * 0.25)
+    w = PolyScheduler(max_update=6, base_lr=1.0, pwr=1, warmup_steps=2, warmup_begin_lr=0.0)
+    np.testing.assert_allclose([w(0), w(1), w(2), w(4), w(6)], [0.0, 0.5, 1.0, 0.5, 0.0])
+
+
+def test_scheduler_sees_max_update_count_over_keys():
+    """num_update is the max of the per-key counts (MXNet), bumped before the rate is read."""
+    sched = FactorScheduler(step=1, factor=0.5, base_lr=1.0)
+    upd = kvopt.Updater(kvopt.SGD(lr_scheduler=sched))
+    one = np.ones(1, f32)
+    a, b = np.zeros(1, f32), np.zeros(1, f32)
+    deltas = []
+    for _ in range(3):
+        before = a.copy()
+        upd("a", one, a)
+        deltas.append(float((before - a)[0]))
+    assert deltas == [1.0, 0.5, 0.25]
+    upd("b", one, b)  # b's first update, but num_update is already 3
+    assert float(-b[0]) == 0.25
+    assert upd.optimizer.num_update == 3
+
+
+def test_learning_rate_overrides_scheduler_base_lr():
+    sched = FactorScheduler(step=10, base_lr=0.5)
+    assert kvopt.SGD(lr_scheduler=sched).learning_rate == 0.5  # learning_rate=None: the scheduler's
+    sched2 = FactorScheduler(step=10, base_lr=0.5)
+    kvopt.SGD(learning_rate=0.2, lr_scheduler=sched2)
+    assert sched2.base_lr == 0.2
+    with pytest.raises(ConfigError, match="lr_scheduler"):
+        kvopt.SGD(lr_scheduler=sched).set_learning_rate(0.1)
+
+
+def test_lr_and_wd_multipliers_per_key():
+    upd = kvopt.Updater(kvopt.SGD(learning_rate=1.0, wd=0.5, lr_mult={3: 0.1}, wd_mult={"b": 0.0}))
+    w3, wb = np.ones(1, f32), np.ones(1, f32)
+    upd("3", np.zeros(1, f32), w3)
+    upd("b", np.zeros(1, f32), wb)
+    np.testing.assert_allclose(w3, [1 - 0.1 * 0.5])
+    np.testing.assert_array_equal(wb, [1.0])
+
+
+# ------------------------------------------------------------------------------- specs
+@pytest.mark.parametrize("sched", [
+    lambda: None, lambda: FactorScheduler(step=3, factor=0.5, base_lr=0.3),
+    lambda: MultiFactorScheduler(step=[2, 5], factor=0.1),
+    lambda: PolyScheduler(max_update=10, base_lr=0.2, pwr=1.5, final_lr=0.01, warmup_steps=2),
+], ids=["none", "factor", "multifactor", "poly"])
+@pytest.mark.parametrize("cls", [kvopt.SGD, kvopt.Adam])
+@pytest.mark.parametrize("lr", [0.05, None])
+def test_spec_is_plain_data_and_rebuilds_the_same_optimizer(cls, sched, lr):
+    kwargs = {"momentum": 0.9} if cls is kvopt.SGD else {"beta1": 0.8}
+    opt = cls(learning_rate=lr, wd=1e-3, lr_scheduler=sched(), **kwargs)
+    spec = opt.spec()
+    assert msgpack.unpackb(msgpack.packb(spec)) == spec  # msgpack-able, no objects inside
+    a, b = kvopt.Updater(opt), kvopt.create_updater(msgpack.unpackb(msgpack.packb(spec)))
+    wa, wb = _w0(), _w0()
+    for g in _grads(7, 8, seed=2):
+        a("k", g, wa)
+        b("k", g, wb)
+    np.testing.assert_array_equal(wa, wb)
+
+
+@pytest.mark.parametrize(("spec", "match"), [
+    ({"type": "rmsprop"}, "rmsprop"),
+    ({"type": "sgd", "momentun": 0.9}, "momentun"),
+    ({"type": "adam", "momentum": 0.9}, "momentum"),
+    ({"type": "sgd", "learning_rate": "0.1"}, "learning_rate"),
+    ({"type": "sgd", "learning_rate": float("nan")}, "learning_rate"),
+    ({"type": "adam", "beta1": 1.0}, "beta1"),
+    ({"type": "sgd", "lr_scheduler": {"type": "cosine"}}, "cosine"),
+    ({"type": "sgd", "lr_scheduler": {"type": "factor", "step": 2, "gamma": 0.1}}, "gamma"),
+    ({"type": "sgd", "lr_scheduler": {"type": "factor"}}, "step"),
+    ({"type": "sgd", "lr_mult": [1, 2]}, "lr_mult"),
+    ("sgd", "dict"),
+    ({"learning_rate": 0.1}, "None"),
+])
+def test_create_updater_rejects_bad_specs(spec, match):
+    with pytest.raises(ConfigError, match=match):
+        kvopt.create_updater(spec)
+
+
+def test_create_by_name():
+    assert isinstance(kvopt.create("SGD", learning_rate=0.2), kvopt.SGD)
+    assert isinstance(kvopt.create("adam"), kvopt.Adam)
+    assert kvopt.Adam().lr == 0.001 and kvopt.SGD().lr == 0.01
+    with pytest.raises(ConfigError, match="valid optimizers are: sgd, adam"):
+        kvopt.create("adagrad")
+    with pytest.raises(ConfigError, match="bogus"):
+        kvopt.create("sgd", bogus=1)
+    assert scheduler_from_spec(FactorScheduler(step=4).spec()).step == 4
+
+
+def test_updater_rejects_integer_weights_and_shape_mismatch():
+    upd = kvopt.Updater(kvopt.SGD())
+    with pytest.raises(ConfigError, match="floating-point"):
+        upd("k", np.ones(3, np.int32), np.ones(3, np.int32))
+    with pytest.raises(ConfigError, match=r"\(4,\)"):
+        upd("k", np.ones(4, f32), np.ones(3, f32))
+
+
+# ------------------------------------------------------------------------------- states
+@pytest.mark.parametrize("weights", ["numpy", "torch"])
+def test_saved_states_resume_exactly(weights):
+    grads = _grads(7, 6, seed=4)
+    wrap = (lambda a: a) if weights == "numpy" else torch.from_numpy
+    full = kvopt.Updater(kvopt.Adam(learning_rate=0.01))
+    w_full = wrap(_w0())
+    for g in grads:
+        full("k", wrap(g.copy()), w_full)
+
+    first = kvopt.Updater(kvopt.Adam(learning_rate=0.01))
+    w = wrap(_w0())
+    for g in grads[:3]:
+        first("k", wrap(g.copy()), w)
+    blob = first.get_states()
+    assert msgpack.unpackb(blob)["format"] == "hora-kvstore-updater"  # msgpack, not a pickle
+    resumed = kvopt.Updater(kvopt.Adam(learning_rate=0.01))
+    resumed.set_states(blob)
+    for g in grads[3:]:
+        resumed("k", wrap(g.copy()), w)
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(w_full))
+
+
+def test_dump_optimizer_replaces_the_optimizer_on_load():
+    src = kvopt.Updater(kvopt.SGD(learning_rate=0.3, momentum=0.5))
+    src("k", np.ones(2, f32), np.zeros(2, f32))
+    dst = kvopt.Updater(kvopt.Adam())
+    dst.set_states(src.get_states(dump_optimizer=True))
+    assert isinstance(dst.optimizer, kvopt.SGD) and dst.optimizer.lr == 0.3
+    assert dst.optimizer._index_update_count == {"k": 1}
+
+
+def test_key_states_round_trip():
+    a = kvopt.Updater(kvopt.SGD(learning_rate=0.1, momentum=0.9))
+    w = _w0()
+    for g in _grads(7, 2):
+        a("k", g, w)
+    b = kvopt.Updater(kvopt.SGD(learning_rate=0.1, momentum=0.9))
+    b.set_key_states("k", a.key_states("k"))
+    w2 = w.copy()
+    g = _grads(7, 1, seed=8)[0]
+    a("k", g, w)
+    b("k", g, w2)
+    np.testing.assert_array_equal(w, w2)
+    assert int(b.key_states("k")["num_update"]) == 3
+
+
+@pytest.mark.parametrize("blob", [b"", b"\x80\x04junk", msgpack.packb({"format": "other"}),
+                                  msgpack.packb({"format": "hora-kvstore-updater", "version": 99})])
+def test_bad_state_bytes_are_rejected(blob):
+    with pytest.raises(ConfigError):
+        kvopt.Updater(kvopt.SGD()).set_states(blob)
+
+
+def test_truncated_and_forged_array_records_are_rejected():
+    upd = kvopt.Updater(kvopt.SGD(momentum=0.9))
+    upd("k", np.ones(4, f32), np.ones(4, f32))
+    blob = upd.get_states()
+    with pytest.raises(ConfigError):
+        kvopt.Updater(kvopt.SGD()).set_states(blob[: len(blob) - 3])
+    doc = msgpack.unpackb(blob)
+    doc["states"]["k"]["mom"]["shape"] = [5]
+    with pytest.raises(ConfigError, match="bytes"):
+        kvopt.Updater(kvopt.SGD()).set_states(msgpack.packb(doc))
+    doc["states"]["k"]["mom"]["dtype"] = "|O"
+    with pytest.raises(ConfigError):
+        kvopt.Updater(kvopt.SGD()).set_states(msgpack.packb(doc))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("make", [
+    lambda: kvopt.SGD(learning_rate=0.1, momentum=0.9, wd=0.01, clip_gradient=0.4),
+    lambda: kvopt.Adam(learning_rate=0.01, wd=0.01),
+], ids=["sgd", "adam"])
+def test_cuda_tensors_follow_the_numpy_rule(make):
+    grads = _grads(1000, 5, seed=11)
+    up_np, up_cuda = kvopt.Updater(make()), kvopt.Updater(make())
+    w_np = _w0(1000)
+    w_cuda = torch.from_numpy(_w0(1000)).cuda()
+    for g in grads:
+        up_np("k", g, w_np)
+        up_cuda("k", torch.from_numpy(g.copy()).cuda(), w_cuda)
+    assert all(v.is_cuda for v in up_cuda.states["k"].values())
+    torch.testing.assert_close(w_cuda.cpu(), torch.from_numpy(w_np), rtol=1e-6, atol=1e-7)
