@@ -25,7 +25,92 @@ from hora.torch.compression import Compression
 log = logging.getLogger(__name__)
 
 
-class _DistributedOptimizer(torch.optim.Optimizer):
+def parameter_names(params: list[torch.Tensor],
+                    named_parameters: Iterable[tuple[str, torch.Tensor]] | None) -> dict[int, str]:
+    """Map ``id(parameter)`` to the name its gradient travels under.
+
+    Names come from ``named_parameters`` (usually ``model.named_parameters()``),
+    which must be unique and cover every parameter of the optimizer; without
+    it parameters are named ``param.<index>``.
+    """
+    if named_parameters is None:
+        return {id(p): f"param.{i}" for i, p in enumerate(params)}
+    named = list(named_parameters)
+    if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+        raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, "
+                         "usually model.named_parameters()")
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"parameter names in named_parameters must be unique; duplicated: {dups}")
+    ids = {id(p) for _, p in named}
+    missing = [p for p in params if id(p) not in ids]
+    if missing:
+        raise ValueError(f"named_parameters was specified, but {len(missing)} optimizer parameter(s) are "
+                         "not in it; pass model.named_parameters() of the model being optimized")
+    return {id(p): n for n, p in named}
+
+
+class _WrappedOptimizer(torch.optim.Optimizer):
+    """A torch optimizer that wraps another and shares its state.
+
+    The wrapped optimizer owns ``param_groups`` and ``state``; properties, not
+    copies, expose them, so LR schedulers and ``state_dict()`` see one truth
+    (``load_state_dict()`` replaces the wrapped optimizer's lists).
+    """
+
+    _opt: torch.optim.Optimizer
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self._opt.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict]) -> None:
+        self._opt.param_groups = value
+
+    @property
+    def state(self) -> dict:
+        return self._opt.state
+
+    @state.setter
+    def state(self, value: dict) -> None:
+        self._opt.state = value
+
+    @property
+    def defaults(self) -> dict:
+        return self._opt.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict) -> None:
+        self._opt.defaults = value
+
+    def state_dict(self) -> dict:
+        return self._opt.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._opt.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict) -> None:
+        self._opt.add_param_group(param_group)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called when normal lookup fails: fall through to the wrapped optimizer.
+        if name == "_opt":
+            raise AttributeError(name)
+        return getattr(self._opt, name)
+
+    def __getstate__(self):
+        return self.__dict__
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self._opt!r})"
+
+
+class _DistributedOptimizer(_WrappedOptimizer):
     """Wraps a torch optimizer; see :func:`DistributedOptimizer`."""
 
     def __init__(self, optimizer, named_parameters, compression, backward_passes_per_step, op,
@@ -49,23 +134,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._postscale = float(gradient_predivide_factor)
 
         all_params = [p for g in optimizer.param_groups for p in g["params"]]
-        if named_parameters is not None:
-            named = list(named_parameters)
-            if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
-                raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, "
-                                 "usually model.named_parameters()")
-            names = [n for n, _ in named]
-            dups = sorted({n for n in names if names.count(n) > 1})
-            if dups:
-                raise ValueError(f"parameter names in named_parameters must be unique; duplicated: {dups}")
-            ids = {id(p) for _, p in named}
-            missing = [p for p in all_params if id(p) not in ids]
-            if missing:
-                raise ValueError(f"named_parameters was specified, but {len(missing)} optimizer parameter(s) are "
-                                 "not in it; pass model.named_parameters() of the model being optimized")
-            self._names = {id(p): n for n, p in named}
-        else:
-            self._names = {id(p): f"param.{i}" for i, p in enumerate(all_params)}
+        self._names = parameter_names(all_params, named_parameters)
         #: Horovod's public mapping, parameter -> the name its gradient is reduced under.
         self._parameter_names = {p: self._names[id(p)] for p in all_params}
         self._params = [p for p in all_params if p.requires_grad]
@@ -233,56 +302,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             )
         self._opt.zero_grad(set_to_none=set_to_none)
 
-    # -------------------------------------------------------- delegation
-    # Properties, not copies: load_state_dict() replaces the wrapped optimizer's lists.
-    @property
-    def param_groups(self) -> list[dict]:
-        return self._opt.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict]) -> None:
-        self._opt.param_groups = value
-
-    @property
-    def state(self) -> dict:
-        return self._opt.state
-
-    @state.setter
-    def state(self, value: dict) -> None:
-        self._opt.state = value
-
-    @property
-    def defaults(self) -> dict:
-        return self._opt.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict) -> None:
-        self._opt.defaults = value
-
-    def state_dict(self) -> dict:
-        return self._opt.state_dict()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self._opt.load_state_dict(state_dict)
-
-    def add_param_group(self, param_group: dict) -> None:
-        self._opt.add_param_group(param_group)
-
-    def __getattr__(self, name: str) -> Any:
-        # Only called when normal lookup fails: fall through to the wrapped optimizer.
-        if name == "_opt":
-            raise AttributeError(name)
-        return getattr(self._opt, name)
-
-    def __getstate__(self):
-        return self.__dict__
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-
-    def __repr__(self) -> str:
-        return f"DistributedOptimizer({self._opt!r})"
-
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
@@ -300,6 +319,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
     groups=None,
     sparse_as_dense: bool = False,
     process_set=global_process_set,
+    kvstore: Any = None,
+    server_optimizer: Any = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
@@ -316,7 +337,29 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
             lists of parameters) instead of one by one.
         sparse_as_dense: reduce sparse gradients as dense tensors.
         process_set: reduce over this process set only.
+        kvstore: route gradients through a parameter-server KVStore instead of
+            allreduce: a type name (``'dist_sync'``, ``'dist_async'``,
+            ``'dist_sync_allreduce'``, ``'local'``...) or a
+            :class:`hora.kvstore.KVStore`.  See :mod:`hora.torch.kvstore_optimizer`.
+        server_optimizer: with ``kvstore``: ``None`` (update on the workers;
+            the default except for ``dist_async``), ``'auto'`` (run this torch
+            SGD/Adam on the servers) or a :mod:`hora.kvstore.optimizer` object.
     """
+    if kvstore is not None:
+        unsupported = {
+            "compression": compression is not Compression.none, "op": ReduceOp(op) != ReduceOp.AVERAGE,
+            "gradient_predivide_factor": gradient_predivide_factor != 1.0, "groups": bool(groups or num_groups),
+            "process_set": process_set is not global_process_set,
+        }
+        bad = [k for k, v in unsupported.items() if v]
+        if bad:
+            raise ValueError(f"{', '.join(bad)} apply to the allreduce path, not to kvstore=; for compression use "
+                             "kvstore.set_gradient_compression({'type': '2bit', 'threshold': ...})")
+        from hora.torch.kvstore_optimizer import _KVStoreOptimizer
+
+        return _KVStoreOptimizer(optimizer, named_parameters, kvstore, server_optimizer, backward_passes_per_step)
+    if server_optimizer is not None:
+        raise ValueError("server_optimizer= needs kvstore=: the allreduce path updates on the workers")
     if num_groups and groups is None:
         groups = num_groups
     return _DistributedOptimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
