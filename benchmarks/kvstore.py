@@ -1,0 +1,165 @@
+"""hora's parameter server against MXNet 1.9.1's own, and against allreduce, in one run.
+
+The load of issue 3's benchmark: W workers push+pull one float32 key per
+size (4 MiB and 64 MiB by default) through
+
+* MXNet 1.9.1 ``dist_sync`` with S = 1, 2 servers, run by
+  ``benchmarks/mxnet_peer/kvstore_bench.py`` in its own venv (made by
+  ``benchmarks/mxnet_peer/setup.sh`` when missing; ``--no-mxnet`` skips it),
+* hora ``dist_sync`` with the same W and S (``hora run -np W -s S``),
+* hora ``dist_sync_allreduce`` (no servers),
+
+and prints one markdown table: the median push+pull time per iteration of
+the slowest worker, the cost model's time, hora over MXNet, each row over
+allreduce and over its own single-server time.  hora rows that this checkout
+cannot run yet (no ``hora.kvstore.dist``, or ``hora run`` without ``-s``) are
+skipped with the reason.  All roles share this host's cores, so the machine
+should be quiet::
+
+    python benchmarks/kvstore.py
+    python benchmarks/kvstore.py --workers 2 --servers 1,2 --sizes 4MiB,16MiB,64MiB --iters 10 --json kv.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from hora.bench import kvstore as hkv  # noqa: E402
+from hora.bench.options import RunOptions, cost_model, model_doc, ratio  # noqa: E402
+from hora.bench.report import machine, markdown_table, write_json  # noqa: E402
+from hora.bench.units import fmt_bytes, fmt_ratio, fmt_seconds, parse_sizes  # noqa: E402
+from hora.errors import HoraError  # noqa: E402
+
+PEER_DIR = REPO / "benchmarks" / "mxnet_peer"
+DEFAULT_VENV = Path.home() / ".cache" / "hora" / "mxnet-venv"
+MXNET = "mxnet 1.9.1 dist_sync"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command line."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--workers", "-n", type=int, default=2, help="workers W (MXNet and hora)")
+    p.add_argument("--servers", "-s", default="1,2", help="server counts S, comma-separated")
+    p.add_argument("--sizes", default="4MiB,64MiB", help="key sizes (float32)")
+    p.add_argument("--iters", type=int, default=10, help="timed push+pull iterations per size")
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations per size")
+    p.add_argument("--backend", choices=("gloo", "mpi"), default="gloo", help="hora controller of the workers")
+    p.add_argument("--no-mxnet", action="store_true", help="skip the MXNet peer")
+    p.add_argument("--mxnet-venv", type=Path, default=Path(os.environ.get("HORA_MXNET_VENV", DEFAULT_VENV)),
+                   help="venv of the MXNet peer (created by setup.sh when missing)")
+    p.add_argument("--link", default="auto", help="link rate for the cost model ('auto': loopback measured)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
+    p.add_argument("--json", type=Path, default=None, help="also write every row to this file")
+    args = p.parse_args(argv)
+    try:
+        args.size_list = parse_sizes(args.sizes, multiple_of=4)
+        args.server_list = [int(s) for s in args.servers.split(",") if s.strip()]
+    except (HoraError, ValueError) as e:
+        p.error(str(e))
+    if args.workers < 1 or not args.server_list or min(args.server_list) < 1:
+        p.error(f"need --workers >= 1 and server counts >= 1, got {args.workers} and {args.servers}")
+    return args
+
+
+def mxnet_python(venv: Path) -> Path:
+    """The venv's python, after running the (idempotent) setup script.
+
+    Raises:
+        RuntimeError: the setup script failed; its output is in the message.
+    """
+    proc = subprocess.run(["bash", str(PEER_DIR / "setup.sh"), str(venv)], capture_output=True, text=True,
+                          timeout=1800, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmarks/mxnet_peer/setup.sh failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def mxnet_rows(python: Path, args: argparse.Namespace, servers: int, model: Any) -> tuple[list[dict], dict]:
+    """Run the MXNet peer with ``servers`` servers; its rows and its raw result."""
+    cmd = [str(python), str(PEER_DIR / "kvstore_bench.py"), "--workers", str(args.workers), "--servers",
+           str(servers), "--sizes", ",".join(map(str, args.size_list)), "--iters", str(args.iters),
+           "--warmup", str(args.warmup), "--timeout", str(args.timeout)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "DMLC_", "OMPI_", "PMIX_"))}
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout + 60, check=False, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"MXNet peer failed ({proc.returncode}):\n{proc.stderr[-3000:]}{proc.stdout[-1000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = []
+    for r in result["rows"]:
+        predicted = hkv.predict(model, "dist_sync", r["bytes"], args.workers, servers)
+        rows.append({"system": MXNET, "kvstore": "dist_sync", "workers": args.workers, "servers": servers,
+                     "bytes": r["bytes"], "time_s": r["median_s"], "min_s": r["min_s"], "predicted_s": predicted,
+                     "ratio": ratio(r["median_s"], predicted)})
+    return rows, result
+
+
+def comparison_table(rows: list[dict[str, Any]]) -> str:
+    """One line per (size, servers): MXNet, hora dist_sync, hora/MXNet, hora allreduce, the model."""
+    allreduce = {r["bytes"]: r["time_s"] for r in rows if r["kvstore"] == "dist_sync_allreduce"}
+    keys = sorted({(r["bytes"], r["servers"]) for r in rows if r["servers"]})
+    body = []
+    for nbytes, servers in keys:
+        def t(system: str, nbytes: int = nbytes, servers: int = servers) -> float | None:
+            found = [r["time_s"] for r in rows if r["system"] == system and r["bytes"] == nbytes
+                     and r["servers"] == servers]
+            return found[0] if found else None
+
+        mx, hora = t(MXNET), t("hora dist_sync")
+        model = next(r["predicted_s"] for r in rows if r["bytes"] == nbytes and r["servers"] == servers)
+        body.append([fmt_bytes(nbytes), str(servers), fmt_seconds(mx), fmt_seconds(hora), fmt_ratio(ratio(hora, mx)),
+                     fmt_seconds(allreduce.get(nbytes)), fmt_ratio(ratio(mx, allreduce.get(nbytes))),
+                     fmt_ratio(ratio(hora, allreduce.get(nbytes))), fmt_seconds(model)])
+    headers = ["size", "servers", "MXNet dist_sync", "hora dist_sync", "hora / MXNet", "hora allreduce",
+               "MXNet / allreduce", "hora / allreduce", "model (PS)"]
+    return markdown_table(headers, body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run MXNet, then hora; print the tables; write JSON."""
+    args = parse_args(argv)
+    options = RunOptions(timeout_s=args.timeout)
+    model = cost_model(args.link, None, options)
+    rows: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    raw_mxnet = []
+    if not args.no_mxnet:
+        python = mxnet_python(args.mxnet_venv)
+        for servers in args.server_list:
+            print(f"MXNet dist_sync: {args.workers} workers, {servers} servers ...", file=sys.stderr, flush=True)
+            mx, raw = mxnet_rows(python, args, servers, model)
+            rows += mx
+            raw_mxnet.append(raw)
+    config = hkv.KVStoreConfig(sizes=args.size_list, workers=args.workers, servers=args.server_list,
+                               allreduce=True, backend=args.backend, iters=args.iters, warmup=args.warmup)
+    rows += hkv.run(config, options, model, skipped)
+    hkv.add_comparisons(rows)
+    print(f"\n{args.workers} workers on localhost; cost model: {model.bandwidth_bps / 1e9:.3g} Gbit/s loopback, "
+          f"{model.latency_s * 1e6:.3g} µs latency, CPU sums {model.reduce_bytes_per_s / 1e9:.3g} GB/s\n")
+    print(comparison_table(rows))
+    print()
+    print(hkv.table(rows))
+    for raw in raw_mxnet:
+        rss = ", ".join(f"{x:.0f}" for x in raw["server_peak_rss_mib"] if x is not None)
+        print(f"\nMXNet {raw['servers']} server(s): peak RSS {rss} MiB each", end="")
+    print()
+    for line in skipped:
+        print(f"\n{line}")
+    if args.json is not None:
+        write_json({"benchmark": "kvstore-vs-mxnet", "machine": machine(), "model": model_doc(model), "rows": rows,
+                    "mxnet": raw_mxnet, "skipped": skipped}, str(args.json))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
