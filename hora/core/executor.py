@@ -27,7 +27,7 @@ from hora.core.negotiation import Ready, Signature
 from hora.core.ops import CollectiveType, ReduceOp
 from hora.core.process_sets import ProcessSetState
 from hora.core.request import Request
-from hora.errors import UnsupportedError
+from hora.errors import HoraError, InternalError, UnsupportedError
 
 log = logging.getLogger(__name__)
 
@@ -104,10 +104,35 @@ class Executor:
         self.fusion_threshold = fusion_threshold_bytes
         self._direct_override = direct_threshold_bytes
         self._buffers: dict[tuple[torch.dtype, str], torch.Tensor] = {}
+        # The exact device (cuda:1, not just cuda) of this rank's tensors, for a joined rank's zeros.
+        self._devices: dict[str, torch.device] = {}
 
     # ------------------------------------------------------------------ driver
     def run(self, items: Sequence[tuple[Ready, Request | None]]) -> None:
-        """Execute one round's ready list (already validated, errors set aside)."""
+        """Execute one round's ready list (already validated, errors set aside).
+
+        A failure inside a backend (a torch or NCCL exception) is raised as
+        :class:`~hora.errors.InternalError`, so that the engine fails the
+        requests of this round too instead of leaving their callers waiting.
+        """
+        try:
+            self._run(items)
+        except HoraError:
+            raise
+        except Exception as e:
+            raise InternalError(
+                f"hora engine failed on rank {self.rank}: {type(e).__name__}: {e}. This usually means another "
+                "rank exited or crashed; look for the first error in the other ranks' output") from e
+
+    def _device(self, kind: str, request: Request | None) -> torch.device:
+        """Where this rank's tensors of device type ``kind`` live (remembered for rounds it joins)."""
+        if request is not None and request.entries:
+            device = request.entries[0].input.device
+            self._devices[kind] = device
+            return device
+        return self._devices.get(kind, torch.device(kind))
+
+    def _run(self, items: Sequence[tuple[Ready, Request | None]]) -> None:
         buckets: dict[tuple, _Bucket] = {}
         order: list[_Bucket] = []
         for ready, request in items:
@@ -136,12 +161,13 @@ class Executor:
         plan = ready.plan
         if plan is None:
             plan = ready.plan = self._plan_allreduce(ready, sig)
+        device = self._device(sig.device, request)
         for i, (dtype, shape, compute, op, post, key, nbytes, solo) in enumerate(plan):
             if request is not None:
                 entry = request.entries[i]
                 slot = _Slot(request, i, entry.input, entry.output)
             else:  # joined: contribute zeros of the agreed shape
-                zeros = torch.zeros(shape, dtype=dtype, device=sig.device)
+                zeros = torch.zeros(shape, dtype=dtype, device=device)
                 slot = _Slot(None, i, zeros, zeros)
             pset = self._psets[ready.process_set]
             if solo:
@@ -251,12 +277,13 @@ class Executor:
         backend = self._backend_for(sig.device)
         group = self._group(pset, backend)
         members = pset.ranks
+        device = self._device(sig.device, request)
         results: list[Any] = []
         for i, (dtype_name, shape, _) in enumerate(sig.tensors):
             dtype = dtype_from_name(dtype_name)
             entry = request.entries[i] if request is not None else None
             if sig.kind == CollectiveType.ALLGATHER:
-                results.append(self._allgather(ready, i, dtype, shape, entry, members, backend, group, sig.device))
+                results.append(self._allgather(ready, i, dtype, shape, entry, members, backend, group, device))
             elif sig.kind == CollectiveType.BROADCAST:
                 results.append(self._broadcast(entry, pset.index_of(sig.root), backend, group))
             elif sig.kind == CollectiveType.ALLTOALL:

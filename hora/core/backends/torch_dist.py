@@ -9,10 +9,11 @@ training needs exactly that).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from hora.core.backends.base import Backend
 from hora.core.ops import ReduceOp
-from hora.errors import BackendError
+from hora.errors import BackendError, HoraError
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +249,55 @@ class NCCLBackend(TorchDistBackend):
     def allgather_bytes(self, data: bytes) -> list[bytes]:
         raise BackendError("NCCL is a data-plane backend; negotiation runs on the CPU controller")
 
+    # Each collective waits for the GPU before returning, so that a finished handle means the
+    # result is there (and the input free to change) on any stream, as Horovod guarantees.
     def allreduce_(self, buf: torch.Tensor, op: ReduceOp, group: Any = None) -> None:
-        super().allreduce_(buf, op, group)
-        torch.cuda.current_stream(buf.device).synchronize()
+        with self._errors():
+            super().allreduce_(buf, op, group)
+            torch.cuda.current_stream(buf.device).synchronize()
+
+    def allgatherv(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int], group: Any = None) -> None:
+        with self._errors():
+            super().allgatherv(send, recv, counts, group)
+            torch.cuda.current_stream(recv.device).synchronize()
+
+    def broadcast_(self, buf: torch.Tensor, root: int, group: Any = None) -> None:
+        with self._errors():
+            super().broadcast_(buf, root, group)
+            torch.cuda.current_stream(buf.device).synchronize()
+
+    def alltoallv(
+        self,
+        send: torch.Tensor,
+        send_counts: Sequence[int],
+        recv: torch.Tensor,
+        recv_counts: Sequence[int],
+        group: Any = None,
+    ) -> None:
+        with self._errors():
+            super().alltoallv(send, send_counts, recv, recv_counts, group)
+            torch.cuda.current_stream(recv.device).synchronize()
+
+    def reduce_scatterv(
+        self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int], op: ReduceOp, group: Any = None
+    ) -> None:
+        with self._errors():
+            super().reduce_scatterv(send, recv, counts, op, group)
+            torch.cuda.current_stream(recv.device).synchronize()
+
+    @contextlib.contextmanager
+    def _errors(self) -> Iterator[None]:
+        """Name the fix for NCCL errors that come from how the job was set up."""
+        try:
+            yield
+        except HoraError:
+            raise
+        except Exception as e:
+            if "Duplicate GPU" in str(e):
+                raise BackendError(
+                    f"NCCL refuses to run two ranks of one job on the same GPU (rank {self.rank}: {e}). "
+                    "Give each rank its own GPU, e.g. torch.cuda.set_device(hvd.local_rank()) and tensors on "
+                    "f'cuda:{hvd.local_rank()}', and start at most one rank per GPU; or, to share a GPU between "
+                    "ranks, move the tensors to the CPU before calling hora"
+                ) from e
+            raise
