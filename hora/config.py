@@ -211,3 +211,146 @@ class RendezvousConfig:
             interface=_lookup(env, "HORA_NETWORK_INTERFACE", "GLOO_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE"),
             secret=_lookup(env, "HORA_SECRET"),
         )
+
+
+PS_ROLES = ("worker", "server", "scheduler")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class PSConfig:
+    """Knobs of the parameter-server roles (scheduler, servers, workers).
+
+    The ``DMLC_*`` names of MXNet/ps-lite are accepted beside the ``HORA_PS_*``
+    ones, so hand-started roles work as they did with MXNet's ``launch.py``.
+
+    Attributes:
+        role: ``worker``, ``server`` or ``scheduler`` (``DMLC_ROLE``).
+        root_uri: host of the scheduler (``DMLC_PS_ROOT_URI``).
+        root_port: TCP port of the scheduler (``DMLC_PS_ROOT_PORT``).
+        num_servers: servers in the job (``DMLC_NUM_SERVER``).
+        num_workers: workers in the job (``DMLC_NUM_WORKER``, else ``HORA_SIZE``).
+        worker_rank: the rank this worker asks the scheduler for (``HORA_RANK``
+            or ``DMLC_WORKER_ID``); ``None`` takes the next free one.
+        interface: network interface whose IPv4 address servers bind
+            (``DMLC_INTERFACE``, ``HORA_NETWORK_INTERFACE``); by default the
+            address that routes to ``root_uri``.
+        node_host: this host's address for servers to bind, as ps-lite's
+            ``DMLC_NODE_HOST`` (wins over ``interface``).
+        secret: the job secret keying every message's HMAC (``HORA_SECRET``).
+        bigarray_bound: keys with at least this many elements are split
+            across all servers (``HORA_PS_BIGARRAY_BOUND``,
+            ``MXNET_KVSTORE_BIGARRAY_BOUND``).
+        part_bytes: largest payload of one message; bigger pushes and pulls
+            travel as several, which pipeline and bound a server's memory
+            (``HORA_PS_PART_BYTES``).
+        resend_timeout_ms: an unanswered request is sent again after this
+            long, doubling each time; 0 never resends (``HORA_PS_RESEND_TIMEOUT_MS``,
+            ``PS_RESEND_TIMEOUT``).
+        timeout_s: a peer silent for this long is declared dead and every
+            worker's pending and later calls raise (``HORA_PS_TIMEOUT``,
+            ``PS_HEARTBEAT_TIMEOUT``).
+        heartbeat_s: interval of the heartbeats that prove a node alive
+            (``HORA_PS_HEARTBEAT_INTERVAL``, ``PS_HEARTBEAT_INTERVAL``);
+            by default a quarter of ``timeout_s``, at most 1 s.
+        start_timeout_s: how long a node waits for every role to register.
+        server_threads: threads a server uses to work on keys concurrently.
+        test_drop_reply_every: testing aid: a server drops every Nth reply it
+            would send (0: never), to exercise resends.
+    """
+
+    role: str = "worker"
+    root_uri: str = "127.0.0.1"
+    root_port: int | None = None
+    num_servers: int | None = None
+    num_workers: int | None = None
+    worker_rank: int | None = None
+    interface: str | None = None
+    node_host: str | None = None
+    secret: str | None = None
+    bigarray_bound: int = 1_000_000
+    part_bytes: int = 4 * MiB
+    resend_timeout_ms: float = 2000.0
+    timeout_s: float = 60.0
+    heartbeat_s: float | None = None
+    start_timeout_s: float = 120.0
+    server_threads: int = 0
+    test_drop_reply_every: int = 0
+
+    def __post_init__(self) -> None:
+        if self.role not in PS_ROLES:
+            raise ConfigError(f"DMLC_ROLE={self.role!r} is not one of {', '.join(PS_ROLES)}")
+        if self.root_port is not None and not 0 < self.root_port < 65536:
+            raise ConfigError(f"DMLC_PS_ROOT_PORT={self.root_port} is not a TCP port (1-65535)")
+        for name in ("num_servers", "num_workers"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name}={value} must be >= 1 (DMLC_NUM_SERVER / DMLC_NUM_WORKER)")
+        if self.worker_rank is not None and self.worker_rank < 0:
+            raise ConfigError(f"worker rank {self.worker_rank} must be >= 0")
+        if self.bigarray_bound < 1:
+            raise ConfigError(f"HORA_PS_BIGARRAY_BOUND={self.bigarray_bound} must be >= 1 element")
+        if self.part_bytes < 64:
+            raise ConfigError(f"HORA_PS_PART_BYTES={self.part_bytes} must be at least 64 bytes")
+        if self.resend_timeout_ms < 0:
+            raise ConfigError(f"HORA_PS_RESEND_TIMEOUT_MS={self.resend_timeout_ms} must be >= 0 (0 disables resends)")
+        if self.heartbeat_s is None and self.timeout_s > 0:
+            self.heartbeat_s = min(1.0, self.timeout_s / 4)
+        if self.timeout_s <= 0 or self.heartbeat_s is None or self.heartbeat_s <= 0 or self.start_timeout_s <= 0:
+            raise ConfigError(
+                f"parameter-server timeouts must be > 0: HORA_PS_TIMEOUT={self.timeout_s}, "
+                f"HORA_PS_HEARTBEAT_INTERVAL={self.heartbeat_s}, HORA_PS_START_TIMEOUT={self.start_timeout_s}"
+            )
+        if self.heartbeat_s * 2 > self.timeout_s:
+            raise ConfigError(
+                f"the heartbeat interval ({self.heartbeat_s} s) must be at most half the dead-peer timeout "
+                f"({self.timeout_s} s): set HORA_PS_HEARTBEAT_INTERVAL lower or HORA_PS_TIMEOUT higher"
+            )
+        if self.server_threads < 0 or self.test_drop_reply_every < 0:
+            raise ConfigError("HORA_PS_SERVER_THREADS and HORA_PS_TEST_DROP_REPLY_EVERY must be >= 0")
+
+    def require_job(self) -> None:
+        """Check that the knobs every role needs are present.
+
+        Raises:
+            ConfigError: the scheduler port or the role counts are missing.
+        """
+        missing = [name for name, value in (("DMLC_PS_ROOT_PORT", self.root_port),
+                                            ("DMLC_NUM_SERVER", self.num_servers),
+                                            ("DMLC_NUM_WORKER", self.num_workers)) if value is None]
+        if missing:
+            raise ConfigError(
+                f"the parameter-server job is not configured: {', '.join(missing)} not set. Start the job with "
+                "`hora run -np W -s S ...`, or set DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT, DMLC_NUM_SERVER and "
+                "DMLC_NUM_WORKER for every role"
+            )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> PSConfig:
+        """Build the config from environment variables, then explicit overrides."""
+        env = os.environ if env is None else env
+
+        def opt_int(*names: str) -> int | None:
+            return None if _lookup(env, *names) is None else _as_int(env, names, 0)
+
+        values: dict[str, Any] = dict(
+            role=(_lookup(env, "HORA_PS_ROLE", "DMLC_ROLE") or "worker").lower(),
+            root_uri=_lookup(env, "HORA_PS_ROOT_URI", "DMLC_PS_ROOT_URI") or "127.0.0.1",
+            root_port=opt_int("HORA_PS_ROOT_PORT", "DMLC_PS_ROOT_PORT"),
+            num_servers=opt_int("HORA_PS_NUM_SERVER", "DMLC_NUM_SERVER"),
+            num_workers=opt_int("HORA_PS_NUM_WORKER", "DMLC_NUM_WORKER", "HORA_SIZE"),
+            worker_rank=opt_int("HORA_RANK", "DMLC_WORKER_ID"),
+            interface=_lookup(env, "HORA_PS_INTERFACE", "DMLC_INTERFACE", "HORA_NETWORK_INTERFACE"),
+            node_host=_lookup(env, "HORA_PS_NODE_HOST", "DMLC_NODE_HOST"),
+            secret=_lookup(env, "HORA_SECRET"),
+            bigarray_bound=_as_int(env, ("HORA_PS_BIGARRAY_BOUND", "MXNET_KVSTORE_BIGARRAY_BOUND"), 1_000_000),
+            part_bytes=_as_int(env, ("HORA_PS_PART_BYTES",), 4 * MiB),
+            resend_timeout_ms=_as_float(env, ("HORA_PS_RESEND_TIMEOUT_MS", "PS_RESEND_TIMEOUT"), 2000.0),
+            timeout_s=_as_float(env, ("HORA_PS_TIMEOUT", "PS_HEARTBEAT_TIMEOUT"), 60.0),
+            heartbeat_s=(None if _lookup(env, "HORA_PS_HEARTBEAT_INTERVAL", "PS_HEARTBEAT_INTERVAL") is None
+                         else _as_float(env, ("HORA_PS_HEARTBEAT_INTERVAL", "PS_HEARTBEAT_INTERVAL"), 1.0)),
+            start_timeout_s=_as_float(env, ("HORA_PS_START_TIMEOUT",), 120.0),
+            server_threads=_as_int(env, ("HORA_PS_SERVER_THREADS",), 0),
+            test_drop_reply_every=_as_int(env, ("HORA_PS_TEST_DROP_REPLY_EVERY",), 0),
+        )
+        values.update(overrides)
+        return cls(**values)

@@ -86,3 +86,27 @@ class WorkerFailedError(LaunchError):
 
     def __reduce__(self):
         return (type(self), (self.rank, self.exitcode, self.host, self.stderr_tail))
+
+
+class PSError(HoraError):
+    """The parameter-server job failed: a server rejected a request, or the job ended."""
+
+
+class PeerLostError(PSError):
+    """A scheduler, server or worker of the parameter-server job died or went silent.
+
+    ``node`` names it (for example ``"server 1 (pid 4242 on host-a)"``).
+    """
+
+    def __init__(self, node: str, detail: str = "") -> None:
+        self.node = node
+        self.detail = detail
+        super().__init__(f"{node} was lost{': ' + detail if detail else ''}; the parameter-server job cannot "
+                         "continue")
+
+    def __reduce__(self):
+        return (type(self), (self.node, self.detail))
+
+
+class AuthError(PSError):
+    """Messages of this process were rejected: its job secret (``HORA_SECRET``) differs from the job's."""

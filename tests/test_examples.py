@@ -26,3 +26,16 @@ def test_synthetic_benchmark_reports_throughput(run_job):
     assert "Number of CPUs: 2" in proc.stdout or "Number of GPUs: 2" in proc.stdout
     total = re.search(r"Total img/sec on 2 \w+\(s\): ([0-9.]+)", proc.stdout)
     assert total and float(total.group(1)) > 0
+
+
+def test_parameter_server_example_reaches_the_same_accuracy(run_job, tmp_path):
+    """The KVStore example: 2 workers and 2 servers (dist_sync) train as well as the allreduce example."""
+    proc = run_job(2, [sys.executable, "examples/kvstore/train_digits_ps.py", "--kv-store", "dist_sync",
+                       "--min-accuracy", "0.95", "--checkpoint-dir", str(tmp_path)],
+                   extra_args=["-s", "2"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    match = re.search(r"Test accuracy: ([0-9.]+)", proc.stdout)
+    assert match and float(match.group(1)) >= 0.95
+    assert "KVStore dist_sync: 2 worker(s)" in proc.stdout
+    assert "[server 1]" in proc.stdout + proc.stderr, "the launcher did not start 2 servers"
+    assert any(tmp_path.iterdir()), "worker 0 wrote no checkpoint"

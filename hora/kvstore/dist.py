@@ -1,0 +1,390 @@
+"""``dist_sync``, ``dist_device_sync`` and ``dist_async``: the KVStore on parameter servers.
+
+A worker process joins the job when it creates the store (it blocks until
+the scheduler has seen every role).  Servers and the scheduler are separate
+processes (``hora run -np W -s S``, or ``python -m hora.kvstore.ps.node``
+with the ``DMLC_*`` environment).  As in MXNet, a process whose ``DMLC_ROLE``
+is ``server`` or ``scheduler`` that creates a dist store runs that role
+instead and exits when the job ends.
+
+Semantics (MXNet's, with the differences noted):
+
+* ``init``: every worker calls it with the same keys; worker 0's values are
+  stored, and every worker returns once they are on the servers.
+* ``push`` returns as soon as the request is queued (the data is copied, so
+  the caller may reuse its arrays); requests to many keys and servers are in
+  flight together.  Several values for a key are summed first, on the host
+  (``dist_sync``) or with torch on the values' device (``dist_device_sync``).
+* ``pull`` blocks until the values are in ``out`` and always sees this
+  worker's earlier pushes of the key: in ``dist_sync`` the result of the round
+  they belong to, in ``dist_async`` a value they have been applied to.
+* ``barrier`` first waits until this worker's pushes reached the servers.
+* An error a server reports for a push is raised by the next ``pull`` of that
+  key, ``barrier`` or push.  A lost node raises
+  :class:`~hora.errors.PeerLostError` from every pending and later call.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import dataclasses
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from hora.config import PSConfig
+from hora.errors import ConfigError, PSError
+from hora.kvstore.base import Array, KVStore
+from hora.kvstore.ps import states as ps_states
+from hora.kvstore.ps.client import SCHEDULER, Client, Pending
+from hora.kvstore.ps.placement import Shard, parts, place
+from hora.kvstore.ps.wire import DTYPES, Cmd
+
+log = logging.getLogger(__name__)
+
+_open: DistKVStore | None = None
+_joined = False  # a worker process joins one job once
+
+
+@dataclasses.dataclass(slots=True)
+class _KeyInfo:
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    shards: list[Shard]
+
+    @property
+    def numel(self) -> int:
+        return self.shards[-1].hi if self.shards else 0
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _host(x: Array) -> np.ndarray:
+    """A NumPy view of a CPU array or tensor, or a host copy of a device tensor."""
+    if not _is_torch(x):
+        return np.asarray(x)
+    t = x.detach()
+    if str(t.dtype).removeprefix("torch.") not in DTYPES:
+        raise ConfigError(f"{t.dtype} values are not supported by the dist KVStore; use one of "
+                          f"{', '.join(DTYPES)} (e.g. cast bfloat16 to float32)")
+    return t.cpu().numpy()
+
+
+def _dtype(x: Array) -> str:
+    return str(x.dtype).removeprefix("torch.")
+
+
+class DistKVStore(KVStore):
+    """The parameter-server KVStore (create it with ``hora.kvstore.create('dist_sync')``)."""
+
+    def __init__(self, kv_type: str, config: PSConfig | None = None) -> None:
+        global _open, _joined
+        super().__init__(kv_type)
+        config = config or PSConfig.from_env()
+        if config.role != "worker":
+            from hora.kvstore.ps.node import run_role
+
+            raise SystemExit(run_role(config))  # MXNet: a server/scheduler process never returns to the script
+        if _open is not None:
+            raise ConfigError(f"this process already has an open {_open.type!r} KVStore; a worker joins the "
+                              "parameter-server job once: reuse that store")
+        if _joined:
+            raise PSError("this process already closed its dist KVStore, which ended its part in the job; a worker "
+                          "joins the parameter-server job once")
+        self._client = Client(config, kv_type)
+        _open, _joined = self, True
+        self._closed = False
+        self._bound = config.bigarray_bound
+        self._part_bytes = config.part_bytes
+        self._keys: dict[str, _KeyInfo] = {}
+        self._seq: dict[str, int] = {}  # number of this worker's last push of each key
+        self._inflight: list[tuple[str, Pending]] = []
+        self._lock = threading.Lock()  # pushes may come from several threads (e.g. autograd hooks)
+        self._compressor: Any = None
+        self._optimizer_set = False
+        self._barrier_seq = 0
+        self._spec: dict[str, Any] | None = None
+        atexit.register(self.close)
+
+    # --- identity ---------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._client.rank
+
+    @property
+    def num_workers(self) -> int:
+        return self._client.num_workers
+
+    @property
+    def num_servers(self) -> int:
+        """Number of servers in the job."""
+        return self._client.num_servers
+
+    # --- data -------------------------------------------------------------------------------------
+    def _init(self, keys: list[str], values: list[Array]) -> None:
+        client = self._client
+        client.check()
+        hosts = []
+        for key, value in zip(keys, values, strict=True):
+            host = _host(value)
+            shape = tuple(int(s) for s in host.shape)
+            self._keys[key] = _KeyInfo(shape, host.dtype, place(key, host.size, client.num_servers, self._bound))
+            hosts.append(host)
+        with self._lock:
+            for key in keys:
+                self._seq[key] = 0  # the servers restart a key's push numbers at init
+        if self.rank == 0:
+            pending = []
+            for key, host in zip(keys, hosts, strict=True):
+                flat = np.ascontiguousarray(host).reshape(-1)
+                for s in self._keys[key].shards:
+                    for off, length in parts(s.size, flat.itemsize, self._part_bytes):
+                        pending.append(client.request(s.server, Cmd.INIT, {"k": key, "off": off, "n": s.size},
+                                                      (flat[s.lo + off:s.lo + off + length],)))
+            for p in pending:
+                p.wait()
+        self._barrier()
+
+    def _push(self, keys: list[str], values: list[list[Array]], priority: int) -> None:
+        client = self._client
+        client.check()
+        self._raise_push_errors(None)
+        if not client.sync and not self._optimizer_set:
+            raise ConfigError("dist_async applies every push through the optimizer on the servers: call "
+                              "kv.set_optimizer(...) first (MXNet's server aborts here)")
+        for key, vals in zip(keys, values, strict=True):
+            info = self._info(key)
+            flat = self._summed(key, vals, info)
+            with self._lock:
+                seq = self._seq[key] = self._seq.get(key, 0) + 1
+            compress = self._compressor is not None and info.dtype == np.float32
+            for s in info.shards:
+                for off, length in parts(s.size, flat.itemsize, self._part_bytes):
+                    data, z = flat[s.lo + off:s.lo + off + length], -1
+                    if compress:
+                        data, z = self._compressor.compress(f"{key}@{s.server}:{off}", data), length
+                    p = client.request(s.server, Cmd.PUSH, {"k": key, "seq": seq, "off": off, "n": s.size, "z": z},
+                                       (data,))
+                    with self._lock:
+                        self._inflight.append((key, p))
+
+    def _pull(self, keys: list[str], outs: list[list[Array]], priority: int) -> None:
+        client = self._client
+        client.check()
+        requests = []
+        for key, key_outs in zip(keys, outs, strict=True):
+            info = self._info(key)
+            for out in key_outs:
+                if int(np.prod(out.shape)) != info.numel:
+                    raise ConfigError(f"pull of key {key!r}: out has shape {tuple(out.shape)} but the key holds "
+                                      f"{info.shape}")
+            after = self._seq.get(key, 0)
+            for s in info.shards:
+                for off, length in parts(s.size, info.dtype.itemsize, self._part_bytes):
+                    p = client.request(s.server, Cmd.PULL, {"k": key, "after": after, "off": off, "len": length,
+                                                            "n": s.size})
+                    requests.append((key, key_outs, s.lo + off, length, p))
+        staged: dict[int, np.ndarray] = {}
+        for key, key_outs, start, length, p in requests:
+            info = self._keys[key]
+            arrays = p.wait().arrays
+            value = arrays[0] if arrays else None
+            if value is None or value.size != length or value.dtype != info.dtype:
+                raise PSError(f"pull of key {key!r}: the server returned {None if value is None else value.dtype}"
+                              f"[{None if value is None else value.size}], expected {info.dtype}[{length}]")
+            for out in key_outs:
+                self._write(out, value, start, info, staged)
+        for key_outs in outs:
+            for out in key_outs:
+                if id(out) in staged:
+                    _copy_into(out, staged.pop(id(out)).reshape(tuple(out.shape)))
+        self._raise_push_errors(set(keys))
+
+    # --- control ----------------------------------------------------------------------------------
+    def barrier(self) -> None:
+        """Wait until every worker calls ``barrier`` (this worker's pushes reach the servers first)."""
+        self._client.check()
+        self._barrier()
+
+    def set_optimizer(self, optimizer: Any) -> None:
+        """Run ``optimizer`` on the servers: its spec (plain data) goes to every server.
+
+        Every worker calls this; worker 0 sends, the others wait at a barrier.
+
+        Raises:
+            ConfigError: ``optimizer`` is not a hora optimizer, or its spec is invalid.
+        """
+        from hora.kvstore.optimizer import create_updater
+
+        spec_of = getattr(optimizer, "spec", None)
+        if not callable(spec_of):
+            raise ConfigError(f"set_optimizer needs a hora.kvstore.optimizer.Optimizer (for example "
+                              f"hora.kvstore.optimizer.SGD(...)), got {type(optimizer).__name__}")
+        spec = spec_of()
+        create_updater(spec)  # raises a clear ConfigError here rather than on the servers
+        self._to_servers(Cmd.SET_OPTIMIZER, {"spec": spec})
+        self._optimizer_set = True
+
+    def set_gradient_compression(self, compression_params: dict[str, Any]) -> None:
+        """Compress pushes of float32 keys (e.g. ``{'type': '2bit', 'threshold': 0.5}``); servers decode them.
+
+        Every worker calls this; worker 0 tells the servers, the others wait at a barrier.
+        """
+        from hora.kvstore.compression import create_compressor
+
+        compressor = create_compressor(compression_params)
+        self._to_servers(Cmd.SET_COMPRESSION, {"spec": compressor.spec() if compressor is not None else None})
+        self._compressor = compressor
+
+    def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
+        """Fetch every key's optimizer state from the servers and write it to ``fname`` (msgpack).
+
+        MXNet cannot do this for a dist store; hora can.  ``dump_optimizer``
+        also stores the optimizer's spec, which :meth:`load_optimizer_states`
+        then sends to the servers.
+        """
+        self._client.check()
+        self._flush()
+        replies = [self._client.request(j, Cmd.GET_STATES, {}) for j in range(self.num_servers)]
+        parts: dict[str, dict[int, dict[str, np.ndarray]]] = {}
+        for j, p in enumerate(replies):
+            msg = p.wait()
+            for (key, name), array in zip(msg["names"], msg.arrays, strict=True):
+                parts.setdefault(key, {}).setdefault(j, {})[name] = array
+        out = {}
+        for key, by_server in parts.items():
+            info = self._keys.get(key)
+            if info is None:
+                log.warning("save_optimizer_states: the servers hold key %r, which this worker never initialised; "
+                            "its states are not saved", key)
+                continue
+            out[key] = ps_states.join(info.shape, info.shards, by_server)
+        ps_states.write(fname, out, self._spec if dump_optimizer else None)
+
+    def load_optimizer_states(self, fname: str) -> None:
+        """Send the states in ``fname`` (from :meth:`save_optimizer_states`) to the servers.
+
+        The keys must be initialised first.  A file saved with
+        ``dump_optimizer=True`` also replaces the servers' optimizer.
+        """
+        self._client.check()
+        keys, spec = ps_states.read(fname)
+        unknown = sorted(k for k in keys if k not in self._keys)
+        if unknown:
+            raise ConfigError(f"{fname!r} holds states of keys this store has not initialised: {unknown[:10]}; "
+                              "call init() for every key before load_optimizer_states()")
+        self._flush()
+        if spec is not None:
+            for p in [self._client.request(j, Cmd.SET_OPTIMIZER, {"spec": spec}) for j in range(self.num_servers)]:
+                p.wait()
+            self._optimizer_set = True
+        per_server: dict[int, tuple[list, list]] = {j: ([], []) for j in range(self.num_servers)}
+        for key, key_states in keys.items():
+            info = self._keys[key]
+            for server, pieces in ps_states.split(info.shape, info.shards, key_states).items():
+                for name, array in pieces.items():
+                    per_server[server][0].append([key, name])
+                    per_server[server][1].append(array)
+        pending = [self._client.request(j, Cmd.SET_STATES, {"names": names}, arrays)
+                   for j, (names, arrays) in per_server.items() if names]
+        for p in pending:
+            p.wait()
+
+    def close(self) -> None:
+        """Wait for this worker's pushes, say goodbye to the scheduler, and release the sockets.  Idempotent."""
+        global _open
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._flush()
+        except Exception as e:  # the job may already be dead; closing must still work
+            log.debug("close: pending pushes failed: %s", e)
+        self._client.close()
+        if _open is self:
+            _open = None
+        atexit.unregister(self.close)
+
+    # --- helpers ----------------------------------------------------------------------------------
+    def _to_servers(self, cmd: Cmd, fields: dict[str, Any]) -> None:
+        self._client.check()
+        if cmd is Cmd.SET_OPTIMIZER:
+            self._spec = fields["spec"]
+        if self.rank == 0:
+            for p in [self._client.request(j, cmd, fields) for j in range(self.num_servers)]:
+                p.wait()
+        self._barrier()
+
+    def _barrier(self) -> None:
+        self._flush()
+        self._barrier_seq += 1
+        self._client.call(SCHEDULER, Cmd.BARRIER, {"seq": self._barrier_seq})
+
+    def _flush(self) -> None:
+        """Wait until every push of this worker was answered; raise the first error."""
+        with self._lock:
+            inflight = list(self._inflight)
+        for _, p in inflight:
+            p.event.wait()
+        self._raise_push_errors(None)
+
+    def _raise_push_errors(self, keys: set[str] | None) -> None:
+        keep, error = [], None
+        with self._lock:
+            for key, p in self._inflight:
+                if not p.done() or (keys is not None and key not in keys):
+                    keep.append((key, p))
+                elif p.error is not None and error is None:
+                    error = p.error
+            self._inflight = keep
+        if error is not None:
+            raise copy.copy(error)
+
+    def _info(self, key: str) -> _KeyInfo:
+        info = self._keys.get(key)
+        if info is None:
+            raise ConfigError(f"key {key!r} was not initialised: call init() for it on every worker first")
+        return info
+
+    def _summed(self, key: str, values: Sequence[Array], info: _KeyInfo) -> np.ndarray:
+        """The sum of a key's pushed values as a fresh flat host array (the caller may reuse its arrays)."""
+        for v in values:
+            if _dtype(v) != info.dtype.name or int(np.prod(v.shape)) != info.numel:
+                raise ConfigError(f"push of key {key!r}: got {_dtype(v)}{list(v.shape)} but the key was "
+                                  f"initialised as {info.dtype.name}{list(info.shape)}")
+        if self.type == "dist_device_sync" and len(values) > 1 and all(_is_torch(v) for v in values):
+            acc = values[0].detach().clone()
+            for v in values[1:]:
+                acc += v.detach().to(acc.device)
+            return _host(acc).reshape(-1)
+        acc = np.array(_host(values[0]), copy=True).reshape(-1)
+        for v in values[1:]:
+            np.add(acc, _host(v).reshape(-1), out=acc)
+        return acc
+
+    @staticmethod
+    def _write(out: Array, value: np.ndarray, start: int, info: _KeyInfo, staged: dict[int, np.ndarray]) -> None:
+        """Copy a pulled range into ``out`` (directly when ``out`` is contiguous, else through a staging array)."""
+        if start == 0 and value.size == info.numel:
+            _copy_into(out, value.reshape(tuple(out.shape)))
+            return
+        contiguous = out.is_contiguous() if _is_torch(out) else out.flags.c_contiguous
+        if contiguous:
+            _copy_into(out.reshape(-1)[start:start + value.size], value)
+        else:
+            staged.setdefault(id(out), np.empty(info.numel, info.dtype))[start:start + value.size] = value
+
+
+def _copy_into(dst: Array, src: np.ndarray) -> None:
+    if _is_torch(dst):
+        import torch
+
+        dst.copy_(torch.from_numpy(src))
+    else:
+        dst[...] = src

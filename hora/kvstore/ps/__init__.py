@@ -1,0 +1,12 @@
+"""hora's parameter server, after ps-lite: a scheduler, servers and workers over ZeroMQ.
+
+* :mod:`~hora.kvstore.ps.wire`: the message format (msgpack header, raw array
+  frames, HMAC-SHA256 keyed by the job secret).
+* :mod:`~hora.kvstore.ps.scheduler`: membership, barriers, failure detection.
+* :mod:`~hora.kvstore.ps.server` and :mod:`~hora.kvstore.ps.keys`: a server
+  and its per-key state machines.
+* :mod:`~hora.kvstore.ps.client`: the worker's connection, used by
+  :class:`hora.kvstore.dist.DistKVStore`.
+* :mod:`~hora.kvstore.ps.node`: ``python -m hora.kvstore.ps.node`` runs a
+  scheduler or a server from the ``DMLC_*`` environment.
+"""

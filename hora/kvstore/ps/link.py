@@ -1,0 +1,129 @@
+"""A server's or worker's connection to the scheduler: joining the job, heartbeats, liveness.
+
+The node registers, then waits for the scheduler's WELCOME, which comes once
+every role of the job has registered.  From then on the node's event loop
+calls :meth:`SchedulerLink.tick` often: it sends a heartbeat every interval
+and raises :class:`~hora.errors.PeerLostError` when the scheduler has been
+silent for longer than the dead-peer timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import zmq
+
+from hora.config import PSConfig
+from hora.errors import AuthError, PeerLostError, PSError
+from hora.kvstore.ps import wire
+from hora.kvstore.ps.net import DropLog, make_socket, scheduler_endpoint, send
+from hora.kvstore.ps.wire import Cmd, Message, WireError
+
+log = logging.getLogger(__name__)
+
+SCHEDULER_ID = "H"
+
+
+class SchedulerLink:
+    """The DEALER socket to the scheduler, and the bookkeeping that proves both sides alive."""
+
+    def __init__(self, ctx: zmq.Context, config: PSConfig, key: bytes, role: str, *, addr: str = "",
+                 rank_hint: int = -1, mode: str = "") -> None:
+        self.config = config
+        self.key = key
+        self.role = role
+        self.endpoint = scheduler_endpoint(config)
+        self.sock = make_socket(ctx, zmq.DEALER)
+        self.sock.connect(self.endpoint)
+        self.id = ""  # known after WELCOME
+        self._register = {"c": int(Cmd.REGISTER), "s": "", "d": SCHEDULER_ID, "i": 0, "role": role,
+                          "host": socket.gethostname(), "pid": os.getpid(), "addr": addr, "rank": rank_hint,
+                          "mode": mode}
+        self.last_recv = time.monotonic()
+        self._last_beat = 0.0
+        self.drops = DropLog(f"{role} link")
+
+    def send(self, header: dict[str, Any], arrays: tuple = ()) -> None:
+        """Sign and send a message to the scheduler."""
+        send(self.sock, wire.encode({"s": self.id, "d": SCHEDULER_ID, **header}, arrays, self.key))
+
+    def register(self) -> Message:
+        """Join the job and return the scheduler's WELCOME.
+
+        Raises:
+            AuthError: the scheduler rejected our messages (a different job secret).
+            PSError: the job did not start within the start timeout, or was aborted.
+        """
+        cfg = self.config
+        deadline = time.monotonic() + cfg.start_timeout_s
+        heard = False
+        next_register = 0.0
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                raise PSError(
+                    f"this {self.role} could not join the parameter-server job within {cfg.start_timeout_s:g} s "
+                    + ("(the scheduler answered, but not every role registered; check that DMLC_NUM_WORKER="
+                       f"{cfg.num_workers} workers and DMLC_NUM_SERVER={cfg.num_servers} servers were started)"
+                       if heard else f"(no answer from a scheduler at {self.endpoint}; is it running, and do "
+                       "DMLC_PS_ROOT_URI / DMLC_PS_ROOT_PORT point at it?)")
+                    + "; raise HORA_PS_START_TIMEOUT if roles start slowly"
+                )
+            if not heard and now >= next_register:
+                send(self.sock, wire.encode(self._register, (), self.key))
+                next_register = now + max(1.0, 2 * (cfg.heartbeat_s or 1.0))
+            if self.sock.poll(200):
+                msg = self.receive(self.sock.recv_multipart(copy=False), registering=True)
+                if msg is None:
+                    continue
+                heard = True
+                if msg.cmd is Cmd.WELCOME:
+                    self.id = msg["id"]
+                    return msg
+                if msg.cmd is Cmd.NODE_LOST:
+                    raise lost_error(msg)
+
+    def receive(self, frames: list, registering: bool = False) -> Message | None:
+        """Decode a message from the scheduler (None for a bad one, which is logged and dropped)."""
+        try:
+            msg = wire.decode(frames, self.key)
+        except WireError as e:
+            reason = wire.peek_reject(frames) if registering else None
+            if reason is not None:
+                raise AuthError(f"the scheduler at {self.endpoint} rejected this {self.role}: {reason}. "
+                                "Every role of a job must have the same HORA_SECRET") from None
+            self.drops.drop(e, "the scheduler")
+            return None
+        if msg["s"] != SCHEDULER_ID or (self.id and msg["d"] != self.id):
+            self.drops.drop(f"{msg.cmd.name} addressed from {msg['s']!r} to {msg['d']!r}", "the scheduler")
+            return None
+        self.last_recv = time.monotonic()
+        return msg
+
+    def tick(self, now: float) -> None:
+        """Heartbeat when due.
+
+        Raises:
+            PeerLostError: nothing came from the scheduler for longer than the timeout.
+        """
+        if now - self._last_beat >= self.config.heartbeat_s:
+            self._last_beat = now
+            self.send({"c": int(Cmd.HEARTBEAT)})
+        silent = now - self.last_recv
+        if silent > self.config.timeout_s:
+            raise PeerLostError(f"the scheduler at {self.endpoint}",
+                                f"nothing received for {silent:.1f} s (HORA_PS_TIMEOUT={self.config.timeout_s:g})")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def lost_error(msg: Message) -> PSError:
+    """The error a NODE_LOST notice means: a named node died, or (no node) the job was aborted."""
+    if msg["node"]:
+        return PeerLostError(msg["node"], msg["detail"])
+    return PSError(f"the parameter-server job was aborted: {msg['detail']}")

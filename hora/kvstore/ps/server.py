@@ -1,0 +1,411 @@
+"""A parameter server: holds a shard of the keys and applies the workers' pushes.
+
+The event loop (one thread) owns the sockets: it authenticates and checks
+every message (:func:`~hora.kvstore.ps.wire.decode`), drops bad ones without
+touching any state, de-duplicates requests, and hands key operations to the
+per-key state machines of :mod:`hora.kvstore.ps.keys`, which run on a thread
+pool and post their replies back through an outbox.
+
+De-duplication: every worker numbers its requests and tells the server, in
+each header, the lowest request id it still waits for (``a``).  The server
+remembers the reply of every state-changing request (init, push, set_*) at or
+above that mark, so a resent request is answered again but applied only once;
+a request below the mark is stale (or replayed) and is dropped.  Pushes carry
+their push number and pulls the number of the push they follow, so the order
+in which requests arrive does not matter: large messages are verified on a
+thread pool, several at a time, and handled as each verification ends.  At
+most a few messages per worker are read ahead (``RCVHWM``, and a bound on the
+verifications in flight), so unread pushes wait in the workers, not here.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import resource
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import zmq
+
+from hora.config import PSConfig
+from hora.errors import ConfigError, PSError
+from hora.kvstore.ps import wire
+from hora.kvstore.ps.keys import Keys, Op, SendToken
+from hora.kvstore.ps.link import SchedulerLink, lost_error
+from hora.kvstore.ps.net import DropLog, Wakeup, bind_address, job_key, make_socket, peer_address, send
+from hora.kvstore.ps.wire import Cmd, Message, WireError
+
+log = logging.getLogger(__name__)
+
+_KEY_CMDS = (Cmd.INIT, Cmd.PUSH, Cmd.PULL)
+_INLINE_BYTES = 64 * 1024  # smaller requests are verified on the event loop itself
+_BACKLOG_BYTES = 32 * 1024 * 1024  # stop reading requests while this much data waits to be verified or merged
+_MUTATING = (Cmd.INIT, Cmd.PUSH, Cmd.SET_OPTIMIZER, Cmd.SET_COMPRESSION, Cmd.SET_STATES)
+_WORKER_CMDS = (*_KEY_CMDS, Cmd.SET_OPTIMIZER, Cmd.SET_COMPRESSION, Cmd.GET_STATES, Cmd.SET_STATES)
+
+
+class _Requests:
+    """One worker's recent requests: the replies of state-changing ones, and the stale mark."""
+
+    __slots__ = ("floor", "replies")
+
+    def __init__(self) -> None:
+        self.floor = 0
+        self.replies: dict[int, list | None] = {}  # request id -> reply frames (None: not answered yet)
+
+    def advance(self, floor: int) -> None:
+        if floor > self.floor:
+            self.floor = floor
+            if len(self.replies) > 256:
+                self.replies = {i: r for i, r in self.replies.items() if i >= floor}
+
+
+class Server:
+    """Runs the server role until the job ends; :meth:`run` returns the process exit code."""
+
+    def __init__(self, config: PSConfig) -> None:
+        config.require_job()
+        self.config = config
+        self.key = job_key(config)
+        self.ctx = zmq.Context(io_threads=2)
+        self.router = make_socket(self.ctx, zmq.ROUTER)
+        # Read at most a few messages ahead of each worker: unread pushes wait in the worker (its own copy)
+        # instead of piling up here, so the server holds its keys, one merge buffer each, and little else.
+        self.router.setsockopt(zmq.RCVHWM, 2)
+        address = bind_address(config)
+        try:
+            port = self.router.bind_to_random_port(f"tcp://{address}")
+        except zmq.ZMQError as e:
+            self.ctx.destroy(linger=0)
+            raise ConfigError(f"the server cannot bind an address on {address}: {e}") from e
+        self.addr = f"tcp://{address}:{port}"
+        self.link = SchedulerLink(self.ctx, config, self.key, "server", addr=self.addr)
+        self.id = ""
+        self.sync = True
+        self.num_workers = config.num_workers or 1
+        self.nodes: dict[str, str] = {}
+        self.updater: Any = None
+        self.decompressor: Any = None
+        self.departed: set[int] = set()
+        self.requests: dict[int, _Requests] = collections.defaultdict(_Requests)
+        self.decoded: collections.deque[tuple[bytes, list, tuple[Message, int] | WireError, int]] = (
+            collections.deque())
+        self.decoding = 0  # messages being verified on the decode pool
+        self.backlog = 0  # bytes of requests read but not yet handled (in verification or queued on a key)
+        self._backlog_lock = threading.Lock()
+        self.outbox: collections.deque[tuple[bytes, list, SendToken | None, tuple[int, int] | None]] = (
+            collections.deque())
+        self.wake = Wakeup()
+        self.drops = DropLog("server")
+        threads = config.server_threads or min(8, os.cpu_count() or 2)
+        self.keys = Keys(self, threads)
+        self.max_decoding = 4 * threads
+        self._sent_replies = 0
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Join the job and serve it: 0 when the scheduler stops the job, 1 when it died."""
+        try:
+            welcome = self.link.register()
+            self.id, self.sync = welcome["id"], welcome["sync"]
+            self.num_workers = welcome["num_workers"]
+            self.nodes = {str(k): str(v) for k, v in welcome["nodes"].items()}
+            log.info("%s serving at %s (%s, %d workers)", self.name, self.addr,
+                     "sync" if self.sync else "async", self.num_workers)
+            return self._loop()
+        except PSError as e:
+            log.error("server at %s: %s", self.addr, e)
+            return 1
+        finally:
+            if self.drops.total:
+                log.info("%s: dropped %d bad messages in all", self.name, self.drops.total)
+            self._log_memory()
+            self.keys.shutdown()
+            self.link.close()
+            self.router.close(linger=1000)
+            self.wake.close()
+            self.ctx.term()
+
+    def _log_memory(self) -> None:
+        stored = sum(k.value.nbytes for k in list(self.keys.table.values()) if k.value is not None)
+        log.info("%s: peak RSS %d bytes for %d bytes of stored values", self.name, _peak_rss(), stored)
+
+    def _loop(self) -> int:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.link.sock, zmq.POLLIN)
+        poller.register(self.wake.fd, zmq.POLLIN)
+        beat_ms = max(1, int(self.config.heartbeat_s * 1000 / 2))
+        while True:
+            poller.modify(self.router, zmq.POLLIN if self._can_read() else 0)
+            events = dict(poller.poll(beat_ms))
+            if self.link.sock in events:
+                while self.link.sock.poll(0):
+                    msg = self.link.receive(self.link.sock.recv_multipart(copy=False))
+                    code = self._on_scheduler(msg) if msg is not None else None
+                    if code is not None:
+                        self._flush()
+                        return code
+            if self.router in events:
+                for _ in range(64):  # bounded, so replies and heartbeats are not starved
+                    if not self._can_read() or not self.router.poll(0):
+                        break
+                    frames = self.router.recv_multipart(copy=False)
+                    self._on_request(frames[0].bytes, frames[1:])
+            self.wake.clear()
+            while self.decoded:
+                route, frames, result, nbytes = self.decoded.popleft()
+                self.decoding -= 1
+                self._accept(route, frames, result, nbytes)
+            self._flush()
+            try:
+                self.link.tick(time.monotonic())
+            except PSError as e:
+                log.error("%s: %s; exiting", self.name, e)
+                return 1
+
+    def _can_read(self) -> bool:
+        """Whether to read more requests: a bounded number in verification, a bounded backlog of bytes."""
+        return self.decoding < self.max_decoding and self.backlog < _BACKLOG_BYTES
+
+    def _admit(self, nbytes: int) -> None:
+        with self._backlog_lock:
+            self.backlog += nbytes
+
+    def release(self, nbytes: int) -> None:
+        """A key state machine is done with ``nbytes`` of request data (any thread)."""
+        if nbytes:
+            with self._backlog_lock:
+                self.backlog -= nbytes
+                wake = self.backlog < _BACKLOG_BYTES <= self.backlog + nbytes
+            if wake:
+                self.wake.set()
+
+    def _on_scheduler(self, msg: Message) -> int | None:
+        if msg.cmd is Cmd.STOP:
+            log.debug("%s: the job is over; exiting", self.name)
+            return 0
+        if msg.cmd is Cmd.NODE_LOST:
+            log.error("%s: %s; exiting", self.name, lost_error(msg))
+            return 1
+        if msg.cmd is Cmd.WORKER_LEFT:
+            self.departed.add(msg["rank"])
+            self.keys.each(self.keys.check_departed)
+        return None
+
+    # --- requests ---------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.nodes.get(self.id, f"server at {self.addr}")
+
+    def worker_name(self, rank: int) -> str:
+        return self.nodes.get(f"w{rank}", f"worker {rank}")
+
+    def _on_request(self, route: bytes, frames: list) -> None:
+        nbytes = sum(len(f) for f in frames[1:-1])
+        self._admit(nbytes)
+        if nbytes < _INLINE_BYTES:
+            self._accept(route, frames, self._decode(route, frames), nbytes)
+            return
+        self.decoding += 1
+
+        def done(future: Any) -> None:
+            self.decoded.append((route, frames, future.result(), nbytes))
+            self.wake.set()
+
+        wire.decode_pool().submit(self._decode, route, frames).add_done_callback(done)
+
+    def _decode(self, route: bytes, frames: list) -> tuple[Message, int] | WireError:
+        """Authenticate and check a request (on any thread): the message and its worker, or why it is bad."""
+        try:
+            msg = wire.decode(frames, self.key)
+            return msg, self._check_sender(route, msg)
+        except WireError as e:
+            return e
+        except Exception as e:  # a bug: still answer the loop, which counts on every decode ending
+            log.exception("%s: decoding a request failed", self.name)
+            return WireError(f"internal error while decoding: {e}")
+
+    def _accept(self, route: bytes, frames: list, result: tuple[Message, int] | WireError, nbytes: int) -> None:
+        """Bookkeeping and dispatch of a verified request (event loop only).  The key state machine that
+        takes a pushed array releases its ``nbytes`` of backlog; every other outcome releases them here."""
+        if not self._dispatch(route, frames, result):
+            self.release(nbytes)
+
+    def _dispatch(self, route: bytes, frames: list, result: tuple[Message, int] | WireError) -> bool:
+        """Handle a verified request; True when a key state machine took its array."""
+        if isinstance(result, WireError):
+            self.drops.drop(result, peer_address(frames[0]) if frames else "?")
+            return False
+        msg, worker = result
+        rid = msg["i"]
+        book = self.requests[worker]
+        book.advance(msg["a"])
+        if rid < book.floor:
+            self.drops.drop(f"stale request {rid} from worker {worker} (below {book.floor})", "worker")
+            return False
+        if msg.cmd in _MUTATING:
+            if rid in book.replies:  # resent: answer again once answered, never apply twice
+                if book.replies[rid] is not None:
+                    send(self.router, book.replies[rid], route)
+                return False
+            book.replies[rid] = None
+        h = msg.header
+        if msg.cmd is Cmd.INIT:
+            self.keys.submit(h["k"], Op(Cmd.INIT, worker, rid, route, h["k"], msg.arrays[0], off=h["off"], n=h["n"]))
+            return True
+        if msg.cmd is Cmd.PUSH:
+            self.keys.submit(h["k"], Op(Cmd.PUSH, worker, rid, route, h["k"], msg.arrays[0], seq=h["seq"],
+                                        off=h["off"], n=h["n"], z=h["z"]))
+            return True
+        if msg.cmd is Cmd.PULL:
+            self.keys.submit(h["k"], Op(Cmd.PULL, worker, rid, route, h["k"], seq=h["after"], off=h["off"],
+                                        length=h["len"], n=h["n"]))
+            return False
+        op = Op(msg.cmd, worker, rid, route, "")
+        if msg.cmd is Cmd.SET_OPTIMIZER:
+            self._set_optimizer(op, msg["spec"])
+        elif msg.cmd is Cmd.SET_COMPRESSION:
+            self._set_compression(op, msg["spec"])
+        elif msg.cmd is Cmd.GET_STATES:
+            self.keys.pool.submit(self._guarded, op, self._get_states, op)
+        else:
+            self.keys.pool.submit(self._guarded, op, self._set_states, op, msg)
+        return False
+
+    def _guarded(self, op: Op, fn: Any, *args: Any) -> None:
+        """Run a pool task; an unexpected failure becomes an error reply instead of vanishing."""
+        try:
+            fn(*args)
+        except Exception as e:
+            log.exception("%s: %s failed", self.name, op.cmd.name)
+            self.reply(op, error=f"server error in {op.cmd.name}: {type(e).__name__}: {e}")
+
+    def _check_sender(self, route: bytes, msg: Message) -> int:
+        src = msg["s"]
+        if msg.cmd not in _WORKER_CMDS:
+            raise WireError(f"unexpected command {msg.cmd.name} from {src!r}")
+        if msg["d"] != self.id or route != src.encode() or not src.startswith("w") or not src[1:].isdigit():
+            raise WireError(f"{msg.cmd.name} from {src!r} (route {route!r:.20}) addressed to {msg['d']!r}")
+        worker = int(src[1:])
+        if worker >= self.num_workers:
+            raise WireError(f"{msg.cmd.name} from unknown worker {worker}")
+        if msg.cmd in _KEY_CMDS and msg.arrays and msg.arrays[0].ndim != 1:
+            raise WireError(f"{msg.cmd.name}: key arrays travel flat, got shape {msg.arrays[0].shape}")
+        return worker
+
+    def _set_optimizer(self, op: Op, spec: dict[str, Any]) -> None:
+        from hora.kvstore.optimizer import create_updater
+
+        try:
+            updater = create_updater(spec)
+        except Exception as e:
+            self.reply(op, error=f"bad optimizer spec: {e}")
+            return
+        with self.keys.updater_lock:
+            self.updater = updater
+        log.debug("%s: optimizer set: %s", self.name, spec.get("type"))
+        self.reply(op)
+
+    def _set_compression(self, op: Op, spec: dict[str, Any] | None) -> None:
+        from hora.kvstore.compression import decompressor_from_spec
+
+        try:
+            self.decompressor = decompressor_from_spec(spec)
+        except Exception as e:
+            self.reply(op, error=f"bad gradient-compression spec: {e}")
+            return
+        self.reply(op)
+
+    def _get_states(self, op: Op) -> None:
+        if self.updater is None:
+            self.reply(op, error="no optimizer is set on the servers: call set_optimizer() first")
+            return
+        names, arrays = [], []
+        with self.keys.updater_lock:
+            for name, k in sorted(self.keys.table.items()):
+                if k.value is None:
+                    continue
+                for state, value in self.updater.key_states(name).items():
+                    names.append([name, state])
+                    arrays.append(np.asarray(value))
+        self.reply(op, arrays=arrays, extra={"names": names})
+
+    def _set_states(self, op: Op, msg: Message) -> None:
+        names = msg["names"]
+        if self.updater is None:
+            self.reply(op, error="no optimizer is set on the servers: call set_optimizer() first")
+            return
+        if len(names) != len(msg.arrays) or not all(
+                isinstance(n, list) and len(n) == 2 and all(isinstance(x, str) for x in n) for n in names):
+            self.reply(op, error="malformed optimizer states: names do not match the arrays")
+            return
+        states: dict[str, dict[str, np.ndarray]] = {}
+        for (key, state), array in zip(names, msg.arrays, strict=True):
+            states.setdefault(key, {})[state] = array
+        with self.keys.updater_lock:
+            for key, arrays in states.items():
+                self.updater.set_key_states(key, arrays)
+        self.reply(op)
+
+    # --- replies ----------------------------------------------------------------------------------
+    def digest(self, array: np.ndarray) -> bytes:
+        """Payload digest of a stored array (cached by the key until the value changes)."""
+        return wire.payload_digest(array)
+
+    def reply(self, op: Op, *, error: str = "", arrays: Sequence[np.ndarray] = (),
+              digests: Sequence[bytes | None] | None = None, token: SendToken | None = None,
+              extra: dict[str, Any] | None = None) -> None:
+        """Answer a request (from any thread): signed here, sent by the event loop."""
+        header = {"c": int(Cmd.REPLY), "s": self.id, "d": f"w{op.worker}", "i": op.rid, "e": error,
+                  **(extra or {})}
+        frames = wire.encode(header, arrays, self.key, digests)
+        remember = (op.worker, op.rid) if op.cmd in _MUTATING else None
+        self.outbox.append((op.route, frames, token, remember))
+        self.wake.set()
+
+    def _flush(self) -> None:
+        drop_every = self.config.test_drop_reply_every
+        while self.outbox:
+            route, frames, token, remember = self.outbox.popleft()
+            if remember is not None:
+                book = self.requests[remember[0]]
+                if remember[1] in book.replies:
+                    book.replies[remember[1]] = frames
+            self._sent_replies += 1
+            if drop_every and self._sent_replies % drop_every == 0:
+                log.debug("%s: dropping reply %d (HORA_PS_TEST_DROP_REPLY_EVERY)", self.name, self._sent_replies)
+                if token is not None:
+                    token.sent = True
+                continue
+            if token is not None and len(frames) == 3 and frames[1].nbytes >= zmq.COPY_THRESHOLD:
+                frame = zmq.Frame(wire.bytes_view(frames[1]), copy=False, track=True)
+                token.tracker = frame.tracker
+                frames = [frames[0], frame, frames[2]]
+            send(self.router, frames, route)
+            if token is not None:
+                token.sent = True
+
+
+def _peak_rss() -> int:
+    """This process's peak resident memory in bytes (VmHWM: unlike ru_maxrss it does not carry over the
+    parent's peak across fork and exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_server(config: PSConfig) -> int:
+    """Run a server until the job ends; returns its exit code."""
+    return Server(config).run()
+
