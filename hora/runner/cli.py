@@ -2,11 +2,14 @@
 
 ``hora run`` turns its flags into a :class:`LaunchConfig` and calls
 :func:`hora.runner.launch.launch`.  It accepts horovodrun's spellings
-(``-np``, ``-H host:slots``, ``--gloo``/``--mpi``, tunables) and MXNet
-launch.py's (``-n``, ``-s``, ``--launcher``, ``-H hostfile``), so command lines
-from either world work with ``hora run`` in their place.
+(``-np``, ``-H host:slots``, ``--hostfile``, ``--gloo``/``--mpi``, ``-p``,
+``-i``, ``--network-interface``, tunables) and MXNet launch.py's (``-n``,
+``-s``, ``--launcher``, ``-H hostfile``, ``--sync-dst-dir``, ``--env``), so
+command lines from either world work with ``hora run`` in their place.
+Where MXNet reads ``DMLC_NUM_SERVER`` and ``DMLC_INTERFACE``, so does
+``hora run`` when ``-s`` / ``--network-interface`` are not given.
 
-Subcommands live in :data:`SUBCOMMANDS`; ``bench`` and ``check`` are planned.
+Subcommands live in :data:`SUBCOMMANDS`: ``run`` and ``bench`` (``hora.bench``).
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ import shlex
 import sys
 from collections.abc import Callable, Sequence
 
+from hora.bench.cli import HELP as BENCH_HELP
+from hora.bench.cli import add_arguments as add_bench_arguments
+from hora.bench.cli import run_command as bench_command
 from hora.errors import ConfigError, LaunchError
-from hora.runner.config import AVAILABLE_LAUNCHERS, PLANNED_LAUNCHERS, LaunchConfig, parse_hostfile, parse_hosts
+from hora.runner.config import AVAILABLE_LAUNCHERS, LaunchConfig, parse_hostfile, parse_hosts
 
 VERSION = "0.1.0"
 
@@ -30,8 +36,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     size.add_argument("-np", "--num-proc", dest="num_proc", type=int, metavar="N", help="number of processes")
     size.add_argument("-n", "--num-workers", dest="num_workers", type=int, metavar="N",
                       help="number of processes (MXNet launch.py spelling of -np)")
-    size.add_argument("-s", "--num-servers", dest="num_servers", type=int, default=0, metavar="N",
-                      help="parameter servers (MXNet launch.py); not available yet")
+    size.add_argument("-s", "--num-servers", dest="num_servers", type=int, nargs="?", const=-1, metavar="N",
+                      help="parameter servers (MXNet launch.py), started with one scheduler beside the workers; "
+                           "-s alone means as many as workers (default: $DMLC_NUM_SERVER or 0)")
     size.add_argument("-H", "--hosts", dest="hosts", metavar="HOSTS",
                       help="host1:slots,host2:slots (horovodrun), or a hostfile path (MXNet launch.py)")
     size.add_argument("--hostfile", dest="hostfile", metavar="FILE",
@@ -43,16 +50,32 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                             help="gloo controller, processes started by hora (default)")
     controller.add_argument("--mpi", dest="controller", action="store_const", const="mpi",
                             help="MPI controller, processes started by mpirun")
-    how.add_argument("--launcher", choices=AVAILABLE_LAUNCHERS + PLANNED_LAUNCHERS,
-                     help="local (default), mpi; ssh and slurm are not available yet")
+    how.add_argument("--launcher", choices=AVAILABLE_LAUNCHERS,
+                     help="how processes start: local, ssh (other hosts), mpi (mpirun), slurm (srun); "
+                          "default: mpi with --mpi, ssh when -H names other hosts, slurm inside an allocation, "
+                          "else local")
     how.add_argument("--mpi-args", dest="mpi_args", metavar="ARGS", help="extra arguments for mpirun, quoted")
     how.add_argument("--network-interface", dest="network_interface", metavar="IFACE",
-                     help="network interface for rendezvous and gloo (exported as GLOO_SOCKET_IFNAME)")
+                     help="network interface for rendezvous, gloo, MPI and the parameter servers "
+                          "(default: $DMLC_INTERFACE)")
+    how.add_argument("--env", dest="env", action="append", default=[], metavar="NAME=VALUE",
+                     help="set an environment variable for every process (repeatable; NAME:VALUE works too)")
     how.add_argument("--start-timeout", dest="start_timeout", type=float, metavar="SECONDS",
                      help="how long the workers may take to rendezvous")
     how.add_argument("--output-filename", dest="output_filename", metavar="DIR",
                      help="also write each rank's output to DIR/rank.N/stdout and stderr")
     how.add_argument("--verbose", action="store_true", help="print the launch plan")
+
+    remote = parser.add_argument_group("other hosts (ssh)")
+    remote.add_argument("-p", "--ssh-port", dest="ssh_port", type=int, metavar="PORT", help="sshd port on the hosts")
+    remote.add_argument("-i", "--ssh-identity-file", dest="ssh_identity_file", metavar="FILE",
+                        help="private key for ssh")
+    remote.add_argument("--ssh-config-file", dest="ssh_config_file", metavar="FILE",
+                        help="ssh client config for this job (ssh -F), e.g. with its own known_hosts")
+    remote.add_argument("--ssh-connect-timeout", dest="ssh_connect_timeout", type=float, default=10.0,
+                        metavar="SECONDS", help="how long to try to reach a host (default 10)")
+    remote.add_argument("--sync-dst-dir", "--sync-dir", dest="sync_dst_dir", metavar="DIR",
+                        help="copy the working directory to DIR on every host first (rsync, else scp), run there")
 
     tune = parser.add_argument_group("engine tunables")
     tune.add_argument("--fusion-threshold-mb", dest="fusion_threshold_mb", type=float, metavar="MB",
@@ -92,22 +115,50 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         if hosts is None:
             raise ConfigError("the number of processes is missing: give -np N")
         num_proc = sum(h.slots for h in hosts)
+    num_servers = args.num_servers
+    if num_servers is None:
+        raw = os.environ.get("DMLC_NUM_SERVER", "0") or "0"
+        if not raw.isdigit():
+            raise ConfigError(f"DMLC_NUM_SERVER={raw!r} is not a number of servers")
+        num_servers = int(raw)
     return LaunchConfig(
         command=command,
         num_proc=num_proc,
         hosts=hosts,
         controller=args.controller,
         launcher=args.launcher,
-        num_servers=args.num_servers,
+        num_servers=num_servers,
         fusion_threshold_mb=args.fusion_threshold_mb,
         cycle_time_ms=args.cycle_time_ms,
         timeline_filename=args.timeline_filename,
         output_filename=args.output_filename,
         start_timeout=args.start_timeout,
-        network_interface=args.network_interface,
+        network_interface=args.network_interface or os.environ.get("DMLC_INTERFACE") or None,
+        env=parse_env_flags(args.env),
         mpi_args=shlex.split(args.mpi_args) if args.mpi_args else (),
         verbose=args.verbose,
+        ssh_port=args.ssh_port,
+        ssh_identity_file=args.ssh_identity_file,
+        ssh_config_file=args.ssh_config_file,
+        ssh_connect_timeout=args.ssh_connect_timeout,
+        sync_dst_dir=args.sync_dst_dir,
     )
+
+
+def parse_env_flags(items: Sequence[str]) -> dict[str, str]:
+    """``--env NAME=VALUE`` (or MXNet's ``NAME:VALUE``) flags as a dictionary.
+
+    Raises:
+        ConfigError: an item has no separator or no name.
+    """
+    env: dict[str, str] = {}
+    for item in items:
+        positions = [i for i in (item.find("="), item.find(":")) if i > 0]
+        if not positions:
+            raise ConfigError(f"--env {item!r}: use NAME=VALUE")
+        cut = min(positions)
+        env[item[:cut]] = item[cut + 1:]
+    return env
 
 
 def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -130,6 +181,7 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 #: name -> (help, add_arguments, handler).  ``bench`` and ``check`` are planned.
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[..., int]]] = {
     "run": ("launch a training job on N processes", add_run_arguments, run_command),
+    "bench": (BENCH_HELP, add_bench_arguments, bench_command),
 }
 
 
@@ -146,9 +198,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def bare_servers_flag(argv: Sequence[str]) -> list[str]:
+    """Rewrite a bare ``-s`` (no count) to ``--num-servers=-1``, so the command after it is not taken as the count.
+
+    Only the flags before the command are looked at: the scan stops at ``--``
+    or at the first word that is neither a flag nor a flag's value.
+    """
+    args = list(argv)
+    if not args or args[0] != "run":
+        return args
+    probe = argparse.ArgumentParser(add_help=False)
+    add_run_arguments(probe)
+    actions = {option: action for action in probe._actions for option in action.option_strings}
+    i = 1
+    while i < len(args):
+        token = args[i]
+        action = actions.get(token.split("=", 1)[0]) if token.startswith("-") else None
+        if token == "--" or action is None:
+            break
+        if action.dest == "num_servers" and "=" not in token:
+            following = args[i + 1] if i + 1 < len(args) else ""
+            if not following.isdigit():
+                args[i] = "--num-servers=-1"
+            else:
+                i += 1
+        elif action.nargs is None and "=" not in token:
+            i += 1  # the flag's value
+        i += 1
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hora`` console script."""
     parser = build_parser()
+    argv = bare_servers_flag(sys.argv[1:] if argv is None else argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # report it with the subcommand's usage, not the top-level one
         (args.subparser if args.subcommand else parser).error(f"unrecognized arguments: {' '.join(unknown)}")
