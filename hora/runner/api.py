@@ -1,8 +1,8 @@
 """``hora.run(fn, ...)``: run a Python function on N processes and collect its results.
 
 The signature follows ``horovod.runner.run`` so existing calls keep working;
-parameters of features hora does not have yet (elastic sizes, ssh options)
-raise :class:`hora.errors.UnsupportedError` when set.  The function goes
+parameters of features hora does not have yet (elastic sizes) raise
+:class:`hora.errors.UnsupportedError` when set.  The function goes
 through the same :func:`hora.runner.launch.run_job` path as ``hora run``.
 """
 
@@ -69,11 +69,13 @@ def run(
         max_np: elastic training only; not available yet.
         slots: not supported; give slots in ``hosts`` (``"localhost:4"``).
         reset_limit: elastic training only; not available yet.
-        hosts: ``"host:slots,..."``; for now only this machine.
+        hosts: ``"host:slots,..."``; other hosts are reached over ssh (the
+            function and its results travel through the working directory's
+            file system, so the hosts must share it).
         hostfile: a file of hosts, as ``hora run --hostfile``.
         start_timeout: seconds the ranks may take to rendezvous.
-        ssh_port: the ssh launcher is not available yet.
-        ssh_identity_file: the ssh launcher is not available yet.
+        ssh_port: sshd port on the hosts.
+        ssh_identity_file: private key for ssh.
         disable_cache: accepted for compatibility; hora caches nothing here.
         output_filename: also write each rank's output to ``DIR/rank.N/``.
         verbose: print the launch plan.
@@ -98,9 +100,6 @@ def run(
     for name, value in (("min_np", min_np), ("max_np", max_np), ("reset_limit", reset_limit)):
         if value is not None:
             raise UnsupportedError(f"{name}={value!r}: elastic training is not available yet; leave {name} unset")
-    for name, value in (("ssh_port", ssh_port), ("ssh_identity_file", ssh_identity_file)):
-        if value is not None:
-            raise UnsupportedError(f"{name}={value!r}: the ssh launcher is not available yet; leave {name} unset")
     if slots is not None:
         raise UnsupportedError(f"slots={slots!r} is not supported; give slots per host in hosts='localhost:{slots}'")
     if hosts is not None and hostfile is not None:
@@ -122,6 +121,8 @@ def run(
             env=dict(env or {}),
             mpi_args=shlex.split(mpi_args) if isinstance(mpi_args, str) else tuple(mpi_args or ()),
             verbose=bool(verbose),
+            ssh_port=ssh_port,
+            ssh_identity_file=ssh_identity_file,
         )
         result = run_job(config)
         if result.exit_code != 0:

@@ -9,29 +9,38 @@ here, at construction, with a message that names the flag and the value.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import ipaddress
 import os
+import re
+import shutil
 import socket
 from collections.abc import Mapping, Sequence
 
 from hora.errors import ConfigError
 
-#: Launchers that exist in this release.
-AVAILABLE_LAUNCHERS = ("local", "mpi")
-#: Launchers that are planned; asking for one gives a clear "not available yet".
-PLANNED_LAUNCHERS = ("ssh", "slurm")
+#: The launchers: ``local`` (children of hora run), ``ssh`` (other hosts over ssh),
+#: ``mpi`` (mpirun) and ``slurm`` (srun inside an allocation).
+AVAILABLE_LAUNCHERS = ("local", "ssh", "mpi", "slurm")
 CONTROLLERS = ("gloo", "mpi")
+_HOST_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class HostSlots:
-    """One host of the job and how many processes it may run."""
+    """One host of the job and how many processes it may run.
+
+    ``fixed`` is False for the hosts of an MXNet-style hostfile (bare names,
+    no slot counts): the workers are then spread evenly over them, as
+    MXNet's launch.py does, instead of one per host.
+    """
 
     host: str
     slots: int
+    fixed: bool = True
 
     def __str__(self) -> str:
-        return f"{self.host}:{self.slots}"
+        return f"{self.host}:{self.slots}" if self.fixed else self.host
 
 
 def parse_hosts(spec: str) -> tuple[HostSlots, ...]:
@@ -47,18 +56,63 @@ def parse_hosts(spec: str) -> tuple[HostSlots, ...]:
         entry = entry.strip()
         if not entry:
             raise ConfigError(f"-H {spec!r} has an empty host entry")
-        name, sep, count = entry.rpartition(":")
-        if not sep or "]" in count or (name.count(":") and not name.endswith("]")):
-            name, count = entry, "1"  # no slot count (or a bare IPv6 address)
-        hosts.append(HostSlots(name.strip("[]"), _slot_count(count, entry)))
+        name, count = _split_entry(entry)
+        hosts.append(HostSlots(check_host_name(name, spec), _slot_count(count or "1", entry)))
     return tuple(hosts)
+
+
+def _split_entry(entry: str) -> tuple[str, str | None]:
+    """``"host:2"`` -> ``("host", "2")``; ``"host"`` and a bare IPv6 address have no count."""
+    name, sep, count = entry.rpartition(":")
+    if not sep or "]" in count or (name.count(":") and not name.endswith("]")):
+        return entry.strip("[]"), None
+    return name.strip("[]"), count
+
+
+def check_host_name(name: str, where: str) -> str:
+    """Return ``name`` if it is a plausible host name or IP address.
+
+    Raises:
+        ConfigError: it is empty or has characters no host name has.
+    """
+    if _HOST_NAME.match(name):
+        return name
+    try:
+        ipaddress.ip_address(name)
+        return name
+    except ValueError:
+        pass
+    raise ConfigError(
+        f"host {name!r} in {where!r} is malformed: give host or host:slots, where host has only letters, "
+        "digits, '.', '-' and '_' (or is an IP address)"
+    )
+
+
+def check_unique_hosts(hosts: Sequence[HostSlots]) -> None:
+    """Raise :class:`ConfigError` when a host is listed twice."""
+    seen: dict[str, HostSlots] = {}
+    for h in hosts:
+        name = h.host.lower()
+        if name in seen:
+            raise ConfigError(
+                f"host {h.host!r} is listed twice ({seen[name]} and {h}); list each host once with all its slots"
+            )
+        seen[name] = h
+
+
+def spread(hosts: Sequence[HostSlots], num_proc: int) -> tuple[HostSlots, ...]:
+    """Slots for hosts without counts: ``num_proc`` workers spread evenly, earlier hosts first."""
+    share, extra = divmod(num_proc, len(hosts))
+    return tuple(HostSlots(h.host, share + (i < extra)) for i, h in enumerate(hosts))
 
 
 def parse_hostfile(path: str) -> tuple[HostSlots, ...]:
     """Read a hostfile: one host per line as ``host``, ``host:N`` or ``host slots=N``.
 
     The first two forms are MXNet launch.py's, the last is horovodrun's
-    (and Open MPI's).  Blank lines and ``#`` comments are skipped.
+    (and Open MPI's).  Blank lines and ``#`` comments are skipped.  When no
+    line gives a slot count (an MXNet hostfile), the hosts are returned with
+    ``fixed=False``: the workers are spread evenly over them.
 
     Raises:
         ConfigError: the file cannot be read, is empty or has a malformed line.
@@ -69,19 +123,25 @@ def parse_hostfile(path: str) -> tuple[HostSlots, ...]:
     except OSError as e:
         raise ConfigError(f"cannot read hostfile {path!r}: {e.strerror}") from e
     hosts: list[HostSlots] = []
+    counted = False
     for number, raw in enumerate(lines, 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
         fields = line.split()
         if len(fields) == 1:
+            counted = counted or _split_entry(fields[0])[1] is not None
             hosts.extend(parse_hosts(fields[0]))
         elif len(fields) == 2 and fields[1].startswith("slots="):
-            hosts.append(HostSlots(fields[0], _slot_count(fields[1][6:], f"{path}:{number}")))
+            counted = True
+            name = check_host_name(fields[0], f"{path}:{number}")
+            hosts.append(HostSlots(name, _slot_count(fields[1][6:], f"{path}:{number}")))
         else:
             raise ConfigError(f"{path}:{number}: cannot parse {raw!r} (use 'host slots=N' or 'host:N')")
     if not hosts:
         raise ConfigError(f"hostfile {path!r} lists no hosts")
+    if not counted:
+        return tuple(HostSlots(h.host, h.slots, fixed=False) for h in hosts)
     return tuple(hosts)
 
 
@@ -105,9 +165,32 @@ def is_local_host(host: str) -> bool:
             return True
     except ValueError:
         pass
+    return name in _own_names()
+
+
+@functools.lru_cache(maxsize=1)
+def _own_names() -> frozenset[str]:
     own = {socket.gethostname().lower(), socket.getfqdn().lower()}
-    own |= {n.split(".")[0] for n in own}
-    return name in own
+    return frozenset(own | {n.split(".")[0] for n in own})
+
+
+def detect_launcher(
+    hosts: Sequence[HostSlots] | None, controller: str | None, environ: Mapping[str, str] | None = None
+) -> str:
+    """The launcher to use when ``--launcher`` is not given, when the choice is unambiguous.
+
+    ``--mpi`` means mpirun; a host that is not this machine means ssh;
+    inside a Slurm allocation (``SLURM_JOB_ID`` set, ``srun`` on PATH) with
+    no host list, srun; otherwise the local launcher.
+    """
+    environ = os.environ if environ is None else environ
+    if controller == "mpi":
+        return "mpi"
+    if hosts is not None and any(not is_local_host(h.host) for h in hosts):
+        return "ssh"
+    if hosts is None and environ.get("SLURM_JOB_ID") and shutil.which("srun", path=environ.get("PATH")):
+        return "slurm"
+    return "local"
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -121,9 +204,10 @@ class LaunchConfig:
             ``localhost:num_proc``.  A string is parsed like ``-H``.
         controller: ``"gloo"`` or ``"mpi"``; ``None`` picks ``mpi`` for the mpi
             launcher and ``gloo`` otherwise.
-        launcher: ``"local"`` or ``"mpi"`` (``"ssh"``/``"slurm"`` are planned);
-            ``None`` picks ``mpi`` for the mpi controller and ``local`` otherwise.
-        num_servers: parameter servers (MXNet's ``-s``); must be 0 for now.
+        launcher: ``"local"``, ``"ssh"``, ``"mpi"`` or ``"slurm"``; ``None``
+            chooses with :func:`detect_launcher`.
+        num_servers: parameter servers (MXNet's ``-s``); ``-1`` means as many
+            as workers.  With servers, one scheduler runs too.
         fusion_threshold_mb: engine fusion buffer size, exported as
             ``HORA_FUSION_THRESHOLD`` in bytes.
         cycle_time_ms: engine cycle time, exported as ``HORA_CYCLE_TIME``.
@@ -131,12 +215,23 @@ class LaunchConfig:
         output_filename: directory for per-rank logs ``DIR/rank.N/{stdout,stderr}``.
         start_timeout: seconds the workers may take to rendezvous
             (``HORA_START_TIMEOUT``).
-        network_interface: interface whose address is the rendezvous address;
-            exported as ``HORA_NETWORK_INTERFACE`` and ``GLOO_SOCKET_IFNAME``.
-        env: extra environment variables for every worker.
+        network_interface: the NIC to use: its address on rank 0's host is the
+            rendezvous and scheduler address; exported as
+            ``HORA_NETWORK_INTERFACE``, ``GLOO_SOCKET_IFNAME`` and
+            ``DMLC_INTERFACE``, and given to mpirun.
+        env: extra environment variables for every process.
         mpi_args: extra arguments for mpirun (mpi launcher only).
         verbose: print the launch plan.
-        grace_period: seconds between SIGTERM and SIGKILL when stopping workers.
+        grace_period: seconds between SIGTERM and SIGKILL when stopping processes.
+        server_grace: seconds servers and the scheduler get to exit on their
+            own once every worker has exited 0, before they are stopped.
+        ssh_port: port of sshd on the hosts (``-p``).
+        ssh_identity_file: private key for ssh (``-i``).
+        ssh_config_file: an ssh client config for this job (``ssh -F``),
+            e.g. with its own known_hosts file.
+        ssh_connect_timeout: seconds to reach a host before it counts as unreachable.
+        sync_dst_dir: copy the working directory to this absolute path on
+            every host first, and run there (ssh launcher).
     """
 
     command: Sequence[str]
@@ -155,6 +250,12 @@ class LaunchConfig:
     mpi_args: Sequence[str] = ()
     verbose: bool = False
     grace_period: float = 3.0
+    server_grace: float = 5.0
+    ssh_port: int | None = None
+    ssh_identity_file: str | None = None
+    ssh_config_file: str | None = None
+    ssh_connect_timeout: float = 10.0
+    sync_dst_dir: str | None = None
 
     def __post_init__(self) -> None:
         self.command = tuple(self.command)
@@ -164,19 +265,10 @@ class LaunchConfig:
             raise ConfigError(f"-np {self.num_proc!r} must be an integer")
         if self.num_proc < 1:
             raise ConfigError(f"-np {self.num_proc} must be at least 1")
-        if isinstance(self.hosts, str):
-            self.hosts = parse_hosts(self.hosts)
-        elif self.hosts is not None:
-            self.hosts = tuple(self.hosts)
-            if not self.hosts:
-                raise ConfigError("the host list is empty")
-        if self.hosts is not None and self.num_proc > self.total_slots:
-            raise ConfigError(
-                f"-np {self.num_proc} is more than the {self.total_slots} slots in "
-                f"-H {','.join(map(str, self.hosts))}; lower -np or add slots"
-            )
+        self._check_hosts()
         self._check_strategy()
         self._check_knobs()
+        self._check_ssh()
         self.env = {str(k): str(v) for k, v in dict(self.env).items()}
         self.mpi_args = tuple(self.mpi_args)
         if self.mpi_args and self.launcher != "mpi":
@@ -186,28 +278,64 @@ class LaunchConfig:
             if value is not None:
                 setattr(self, name, os.path.abspath(value))
 
+    def _check_hosts(self) -> None:
+        if isinstance(self.hosts, str):
+            self.hosts = parse_hosts(self.hosts)
+        elif self.hosts is not None:
+            self.hosts = tuple(self.hosts)
+            if not self.hosts:
+                raise ConfigError("the host list is empty")
+            for h in self.hosts:
+                check_host_name(h.host, str(h))
+        if self.hosts is None:
+            return
+        check_unique_hosts(self.hosts)
+        if not any(h.fixed for h in self.hosts):
+            self.hosts = spread(self.hosts, self.num_proc)
+        elif self.num_proc > self.total_slots:
+            raise ConfigError(
+                f"-np {self.num_proc} is more than the {self.total_slots} slots in "
+                f"-H {','.join(map(str, self.hosts))}; lower -np or add slots"
+            )
+
     def _check_strategy(self) -> None:
         if self.controller is not None and self.controller not in CONTROLLERS:
             raise ConfigError(f"controller {self.controller!r} is not one of {', '.join(CONTROLLERS)}")
-        known = AVAILABLE_LAUNCHERS + PLANNED_LAUNCHERS
-        if self.launcher is not None and self.launcher not in known:
-            raise ConfigError(f"--launcher {self.launcher!r} is not one of {', '.join(known)}")
+        if self.launcher is not None and self.launcher not in AVAILABLE_LAUNCHERS:
+            raise ConfigError(f"--launcher {self.launcher!r} is not one of {', '.join(AVAILABLE_LAUNCHERS)}")
         if self.launcher is None:
-            self.launcher = "mpi" if self.controller == "mpi" else "local"
+            self.launcher = detect_launcher(self.hosts, self.controller)  # type: ignore[arg-type]
         if self.controller is None:
             self.controller = "mpi" if self.launcher == "mpi" else "gloo"
         if self.controller == "mpi" and self.launcher != "mpi":
             raise ConfigError(
-                f"--mpi needs the mpi launcher (mpirun starts MPI jobs), not --launcher {self.launcher}"
+                f"--mpi needs the mpi launcher (mpirun starts MPI jobs and reaches other hosts itself), "
+                f"not --launcher {self.launcher}"
             )
         if self.launcher == "mpi" and self.controller != "mpi":
-            raise ConfigError("--launcher mpi runs the MPI controller; drop --gloo or use --launcher local")
-        if self.num_servers < 0:
-            raise ConfigError(f"-s {self.num_servers} must be >= 0")
-        if self.num_servers > 0:
+            raise ConfigError("--launcher mpi runs the MPI controller; drop --gloo or use --launcher local or ssh")
+        if self.launcher == "local":
+            remote = [h.host for h in self.host_list if not is_local_host(h.host)]
+            if remote:
+                raise ConfigError(
+                    f"--launcher local only starts processes on this machine, but the hosts include "
+                    f"{remote[0]!r}; use --launcher ssh"
+                )
+        if self.launcher == "slurm" and self.hosts is not None:
+            raise ConfigError("--launcher slurm takes its hosts from the Slurm allocation; drop -H/--hostfile")
+        if isinstance(self.num_servers, bool) or not isinstance(self.num_servers, int) or self.num_servers < -1:
+            raise ConfigError(f"-s {self.num_servers} must be >= 0 (or -s alone for as many servers as workers)")
+        if self.num_servers == -1:
+            self.num_servers = self.num_proc
+        if self.num_servers > 0 and self.launcher in ("mpi", "slurm"):
             raise ConfigError(
-                f"-s {self.num_servers}: parameter servers arrive with the KVStore issue; "
-                "for now run without -s (allreduce only)"
+                f"-s {self.num_servers}: parameter servers are started by the local and ssh launchers, "
+                f"not by --launcher {self.launcher}; use --launcher ssh (or -s 0 with dist_sync_allreduce)"
+            )
+        if self.sync_dst_dir is not None and self.launcher != "ssh":
+            raise ConfigError(
+                f"--sync-dst-dir copies files to other hosts over ssh; it needs the ssh launcher, "
+                f"not --launcher {self.launcher}"
             )
 
     def _check_knobs(self) -> None:
@@ -219,6 +347,24 @@ class LaunchConfig:
             raise ConfigError(f"--start-timeout {self.start_timeout} must be > 0 seconds")
         if self.grace_period < 0:
             raise ConfigError(f"grace period {self.grace_period} s must be >= 0")
+        if self.server_grace < 0:
+            raise ConfigError(f"server grace {self.server_grace} s must be >= 0")
+
+    def _check_ssh(self) -> None:
+        if self.ssh_port is not None and not 0 < self.ssh_port < 65536:
+            raise ConfigError(f"--ssh-port {self.ssh_port} is not a TCP port (1-65535)")
+        for flag, name in (("--ssh-identity-file", "ssh_identity_file"), ("--ssh-config-file", "ssh_config_file")):
+            value = getattr(self, name)
+            if value is not None:
+                if not os.path.isfile(value):
+                    raise ConfigError(f"{flag} {value!r} does not exist (or is not a file)")
+                setattr(self, name, os.path.abspath(value))
+        if self.ssh_connect_timeout <= 0:
+            raise ConfigError(f"--ssh-connect-timeout {self.ssh_connect_timeout} must be > 0 seconds")
+        if self.sync_dst_dir is not None and not os.path.isabs(self.sync_dst_dir):
+            raise ConfigError(
+                f"--sync-dst-dir {self.sync_dst_dir!r} must be an absolute path (it names a directory on every host)"
+            )
 
     @property
     def total_slots(self) -> int:

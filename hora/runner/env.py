@@ -14,14 +14,26 @@ ones are added per worker by the launcher, see :meth:`Slot.env`):
 ``HORA_CYCLE_TIME``         ms, only if ``--cycle-time-ms`` was given
 ``HORA_TIMELINE``           only if ``--timeline-filename`` was given
 ``HORA_START_TIMEOUT``      seconds, only if ``--start-timeout`` was given
-``HORA_NETWORK_INTERFACE``  and ``GLOO_SOCKET_IFNAME``, with ``--network-interface``
+``HORA_NETWORK_INTERFACE``  and ``GLOO_SOCKET_IFNAME``, ``DMLC_INTERFACE``, with
+                            ``--network-interface``
 ``OMP_NUM_THREADS``         cpus // local_size unless the user set it
 ``PYTHONUNBUFFERED``        ``1``, so output arrives line by line
+``DMLC_*``                  with parameter servers (``-s S``, S > 0):
+                            ``DMLC_ROLE`` (``worker`` here; servers and the
+                            scheduler override it), ``DMLC_PS_ROOT_URI`` and
+                            ``DMLC_PS_ROOT_PORT`` (the scheduler),
+                            ``DMLC_NUM_SERVER``, ``DMLC_NUM_WORKER``;
+                            ``DMLC_NODE_HOST`` per host on multi-host jobs
 ==========================  ==================================================
+
+On other hosts (ssh launcher) a process gets the variables of
+:func:`forwarded_names` from the launcher and the rest from its own login
+environment.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import socket
@@ -35,6 +47,12 @@ from hora.runner.config import LaunchConfig
 _RANK_VARIABLES = (
     "HORA_RANK", "HORA_SIZE", "HORA_LOCAL_RANK", "HORA_LOCAL_SIZE",
     "HORA_CROSS_RANK", "HORA_CROSS_SIZE", "HORA_HOSTNAME",
+    "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+    "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME",
+)
+#: Per-job variables that an outer job's values must not leak into (the launcher sets them when they apply).
+_JOB_VARIABLES = (
+    "DMLC_ROLE", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_SERVER", "DMLC_NUM_WORKER", "DMLC_NODE_HOST",
 )
 
 
@@ -58,6 +76,53 @@ def free_port(address: str) -> int:
         return s.getsockname()[1]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Endpoints:
+    """Where a job's processes meet.
+
+    Attributes:
+        addr: rank 0's host address: the rendezvous store and the PS scheduler listen there.
+        port: the rendezvous port.
+        ps_port: the scheduler's port (``DMLC_PS_ROOT_PORT``), with parameter servers.
+        host_addrs: each host's own address, for multi-host jobs (``DMLC_NODE_HOST``).
+    """
+
+    addr: str
+    port: int
+    ps_port: int | None = None
+    host_addrs: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+def local_endpoints(config: LaunchConfig) -> Endpoints:
+    """Endpoints of a job whose rank 0 runs on this machine: loopback, or the chosen interface.
+
+    Raises:
+        LaunchError: ``--network-interface`` names no interface with an IPv4 address here.
+    """
+    address = interface_address(config.network_interface) if config.network_interface else "127.0.0.1"
+    port = free_port(address)
+    ps_port = None
+    while config.num_servers > 0 and ps_port in (None, port):
+        ps_port = free_port(address)
+    return Endpoints(addr=address, port=port, ps_port=ps_port)
+
+
+def forwarded_names(env: Mapping[str, str], config: LaunchConfig) -> list[str]:
+    """The variables that must reach processes on other hosts (mpirun ``-x``, the ssh launcher).
+
+    The job's own variables (``HORA_*``, ``HOROVOD_*``, ``DMLC_*``, ``GLOO_*``,
+    ``NCCL_*``), the thread and Python settings, the search paths, and
+    whatever the user set for the job (``--env``).
+    """
+    prefixes = ("HORA_", "HOROVOD_", "DMLC_", "GLOO_", "NCCL_")
+    names = {n for n in env if n.startswith(prefixes)}
+    names |= {
+        "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONPATH", "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV",
+    } & set(env)
+    names |= set(config.env) & set(env)
+    return sorted(names)
+
+
 def interface_address(interface: str) -> str:
     """The IPv4 address of a network interface.
 
@@ -78,14 +143,19 @@ def interface_address(interface: str) -> str:
 
 
 def build_env(
-    config: LaunchConfig, local_size: int, base: Mapping[str, str] | None = None
+    config: LaunchConfig,
+    local_size: int,
+    base: Mapping[str, str] | None = None,
+    endpoints: Endpoints | None = None,
 ) -> tuple[dict[str, str], str | None]:
-    """The environment shared by all workers of a job, and a notice for the user.
+    """The environment shared by all processes of a job, and a notice for the user.
 
     Args:
         config: the launch.
         local_size: workers per host, used to split the CPUs between them.
         base: the environment to start from (default: the launcher's own).
+        endpoints: where rank 0 and the scheduler listen (default: this
+            machine, see :func:`local_endpoints`).
 
     Returns:
         ``(env, notice)``; ``notice`` is the OMP_NUM_THREADS message to print
@@ -93,18 +163,26 @@ def build_env(
     """
     env = dict(os.environ if base is None else base)
     env.update(config.env)
-    for name in _RANK_VARIABLES:
+    for name in _RANK_VARIABLES + _JOB_VARIABLES:
         env.pop(name, None)
+    if endpoints is None:
+        endpoints = local_endpoints(config)
     if config.network_interface:
-        address = interface_address(config.network_interface)
         env["HORA_NETWORK_INTERFACE"] = config.network_interface
         env["GLOO_SOCKET_IFNAME"] = config.network_interface
-    else:
-        address = "127.0.0.1"
     env["HORA_CONTROLLER"] = str(config.controller)
-    env["HORA_RENDEZVOUS_ADDR"] = address
-    env["HORA_RENDEZVOUS_PORT"] = str(free_port(address))
+    env["HORA_RENDEZVOUS_ADDR"] = endpoints.addr
+    env["HORA_RENDEZVOUS_PORT"] = str(endpoints.port)
     env["HORA_SECRET"] = secrets.token_hex(16)
+    if config.num_servers > 0:
+        env["DMLC_ROLE"] = "worker"
+        env["DMLC_PS_ROOT_URI"] = endpoints.addr
+        ps_port = endpoints.ps_port if endpoints.ps_port is not None else free_port(endpoints.addr)
+        env["DMLC_PS_ROOT_PORT"] = str(ps_port)
+        env["DMLC_NUM_SERVER"] = str(config.num_servers)
+        env["DMLC_NUM_WORKER"] = str(config.num_proc)
+        if config.network_interface:
+            env["DMLC_INTERFACE"] = config.network_interface
     if config.fusion_threshold_mb is not None:
         env.pop("HORA_FUSION_THRESHOLD_MB", None)  # the flag wins over an inherited MB value
         env["HORA_FUSION_THRESHOLD"] = str(int(config.fusion_threshold_mb * MiB))

@@ -13,18 +13,18 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TextIO
 
 from hora.errors import LaunchError
-from hora.runner.config import HostSlots, LaunchConfig, is_local_host
+from hora.runner.config import LaunchConfig
 from hora.runner.env import build_env
 from hora.runner.launchers import get_launcher
-from hora.runner.launchers.base import Interrupt, JobResult, Slot, assign_ranks, signal_name
+from hora.runner.launchers.base import WORKER, Interrupt, JobResult, Slot, signal_name
 from hora.runner.output import OutputSink
+from hora.runner.plan import plan_slots, workers_per_host
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +42,8 @@ def launch(config: LaunchConfig) -> int:
         (128+N if it died of signal N), or 128+N if the launcher got signal N.
 
     Raises:
-        LaunchError: the job could not be started (unknown command, hosts
-            that are not this machine, launcher not available).
+        LaunchError: the job could not be started (unknown command, a host
+            that cannot be reached, a launcher tool that is missing).
     """
     return run_job(config).exit_code
 
@@ -61,39 +61,25 @@ def run_job(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextI
     stderr = sys.stderr if stderr is None else stderr
     launcher = get_launcher(str(config.launcher))
     slots = plan_slots(config)
-    env, notice = build_env(config, local_size=max(s.local_size for s in slots))
-    check_command(config.command, env)
-    if notice:
-        print(notice, file=stderr, flush=True)
-    if config.verbose:
-        _print_plan(config, slots, env, stderr)
-    sink = OutputSink(stdout, stderr, config.output_filename)
     try:
-        with _route_signals() as interrupt:
-            result = launcher.run(config, slots, env, sink, interrupt)
+        endpoints = launcher.prepare(config, slots)
+        env, notice = build_env(config, local_size=workers_per_host(slots), endpoints=endpoints)
+        if config.launcher != "ssh":  # the ssh launcher's agents check on each host
+            check_command(config.command, env)
+        if notice:
+            print(notice, file=stderr, flush=True)
+        if config.verbose:
+            _print_plan(config, slots, env, stderr)
+        sink = OutputSink(stdout, stderr, config.output_filename)
+        try:
+            with _route_signals() as interrupt:
+                result = launcher.run(config, slots, env, sink, interrupt)
+        finally:
+            sink.close()
     finally:
-        sink.close()
+        launcher.close()
     report(result, stderr)
     return result
-
-
-def plan_slots(config: LaunchConfig) -> list[Slot]:
-    """Place the ranks on hosts; for now every host must be this machine.
-
-    All names of this machine (``localhost``, ``127.0.0.1``, its hostname)
-    count as one host whose slots are the sum of theirs.
-
-    Raises:
-        LaunchError: a host is not this machine (that needs the ssh launcher).
-    """
-    remote = [h.host for h in config.host_list if not is_local_host(h.host)]
-    if remote:
-        raise LaunchError(
-            f"host {remote[0]!r} is not this machine: running on other hosts needs the ssh launcher, "
-            "which is not available yet (a later release adds it); use -H localhost:N for now"
-        )
-    local = HostSlots(socket.gethostname(), sum(h.slots for h in config.host_list))
-    return assign_ranks([local], config.num_proc)
 
 
 def check_command(command: Sequence[str], env: Mapping[str, str]) -> None:
@@ -120,13 +106,16 @@ def report(result: JobResult, stderr: TextIO) -> None:
         cause = result.root_cause
         lines += ["hora run: job failed", f"  root cause: {cause.describe()}"]
         if cause.stderr_tail:
-            lines.append(f"  last stderr lines of rank {cause.rank}:")
+            lines.append(f"  last stderr lines of {cause.name}:")
             lines += [f"    {line}" for line in cause.stderr_tail]
         else:
-            lines.append(f"  rank {cause.rank} wrote nothing to stderr")
-        others = [e.rank for e in result.exits.values() if e.rank != cause.rank and e.failed]
-        if others:
-            lines.append(f"  stopped by hora run: rank{'s' if len(others) > 1 else ''} {_ranks(others)}")
+            lines.append(f"  {cause.name} wrote nothing to stderr")
+        others = [e for e in result.exits.values() if e.key != cause.key and e.failed]
+        ranks = [e.rank for e in others if e.role == WORKER]
+        stopped = [f"rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)}"] if ranks else []
+        stopped += [e.name for e in others if e.role != WORKER]
+        if stopped:
+            lines.append(f"  stopped by hora run: {', '.join(stopped)}")
     elif result.interrupted_by is not None:
         lines.append(f"hora run: stopped all workers after receiving {signal_name(result.interrupted_by)}")
     elif result.message is not None:
@@ -143,15 +132,22 @@ def _ranks(ranks: list[int]) -> str:
 
 def _print_plan(config: LaunchConfig, slots: Sequence[Slot], env: Mapping[str, str], stderr: TextIO) -> None:
     per_host: dict[str, int] = {}
-    for slot in slots:
+    workers = [s for s in slots if s.role == WORKER]
+    for slot in workers:
         per_host[slot.host] = per_host.get(slot.host, 0) + 1
     hosts = ",".join(f"{h}:{n}" for h, n in per_host.items())
     print(
-        f"hora run: {len(slots)} ranks on {hosts}, launcher {config.launcher}, controller {config.controller}, "
+        f"hora run: {len(workers)} ranks on {hosts}, launcher {config.launcher}, controller {config.controller}, "
         f"rendezvous {env['HORA_RENDEZVOUS_ADDR']}:{env['HORA_RENDEZVOUS_PORT']}",
         file=stderr,
         flush=True,
     )
+    others = [f"{s.name} on {s.host}" for s in slots if s.role != WORKER]
+    if others:
+        print(
+            f"hora run: {', '.join(others)}; scheduler at {env['DMLC_PS_ROOT_URI']}:{env['DMLC_PS_ROOT_PORT']}",
+            file=stderr, flush=True,
+        )
 
 
 @contextlib.contextmanager

@@ -1,10 +1,12 @@
-"""The per-rank wrapper the mpi launcher runs under mpirun.
+"""The per-rank wrapper the mpi and slurm launchers run under mpirun or srun.
 
-``mpirun ... python -m hora.runner.mpi_child -- CMD ARGS`` starts this module
-once per rank.  It runs ``CMD`` as a child that inherits the environment
-unchanged (so the child's ``MPI_Init`` joins the job exactly as if mpirun had
-started it), prefixes each line of the child's output with ``[rank]<stdout>:``
-or ``[rank]<stderr>:`` like the local launcher does, and, when the child has
+``mpirun ... python -m hora.runner.mpi_child -- CMD ARGS`` (or ``srun ...``)
+starts this module once per rank.  It runs ``CMD`` as a child that inherits
+the environment (so the child's ``MPI_Init`` joins the job exactly as if
+mpirun had started it; under srun with gloo, ``GLOO_SOCKET_IFNAME`` is added
+for the interface that reaches rank 0 unless one was chosen), prefixes each
+line of the child's output with ``[rank]<stdout>:`` or ``[rank]<stderr>:``
+like the local launcher does, and, when the child has
 ended, writes one marker line to stderr that tells ``hora run`` how the rank
 ended (``__hora_rank_exit__ {json}``); the launcher uses the first failure
 among those as the root cause.
@@ -29,13 +31,15 @@ import threading
 from collections.abc import Sequence
 from typing import BinaryIO
 
+from hora.runner.agent import default_gloo_interface
 from hora.runner.launchers.base import exit_status, signal_group
 from hora.runner.output import prefix
 
 MARKER = b"__hora_rank_exit__ "
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _PR_SET_PDEATHSIG = 1
-_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+# Open MPI first: mpirun inside a Slurm allocation inherits the batch step's SLURM_PROCID.
+_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -53,7 +57,7 @@ def _set_parent_death_signal(libc: ctypes.CDLL | None, signum: int) -> None:
 
 
 def rank_from_env(env: dict[str, str] | os._Environ) -> int:
-    """This process's rank under mpirun (Open MPI, PMIx or MPICH variables)."""
+    """This process's rank under mpirun (Open MPI, PMIx or MPICH variables) or srun."""
     for name in _RANK_VARIABLES:
         if env.get(name, "").isdigit():
             return int(env[name])
@@ -116,9 +120,12 @@ def run_child(command: Sequence[str], rank: int) -> int:
         _set_parent_death_signal(libc, signal.SIGKILL)
 
     err = sys.stderr.buffer
+    env = dict(os.environ)
+    if env.get("HORA_CONTROLLER") == "gloo":  # under srun: gloo must be told which interface reaches rank 0
+        default_gloo_interface(env)
     try:
         proc = subprocess.Popen(
-            list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=child_setup
+            list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=child_setup, env=env
         )
     except OSError as e:
         err.write(prefix(rank, "stderr") + f"hora: cannot start {command[0]!r}: {e.strerror or e}\n".encode())

@@ -1,7 +1,9 @@
 """Per-rank output: prefix each line, keep a tail for the root-cause report, log to files.
 
 Workers' lines reach the launcher's own stdout/stderr as
-``[rank]<stdout>:text`` / ``[rank]<stderr>:text`` (Horovod's format).  Each
+``[rank]<stdout>:text`` / ``[rank]<stderr>:text`` (Horovod's format);
+parameter servers' and the scheduler's as ``[server 0]<stdout>:text`` and
+``[scheduler]<stdout>:text``.  Each
 line is written with one call under a lock, so lines of different ranks never
 interleave.  Bytes are passed through unchanged where the stream allows it, so
 a worker's non-UTF-8 output survives.
@@ -16,18 +18,33 @@ import re
 import threading
 from typing import IO, BinaryIO, TextIO
 
+from hora.runner.launchers.base import Key, parse_key
+
 logger = logging.getLogger(__name__)
 
 STREAMS = ("stdout", "stderr")
 #: Lines of each rank's stderr kept for the root-cause report.
 TAIL_LINES = 20
-#: Parses a line that already carries a rank prefix (the mpi launcher's wrapper writes these).
-PREFIXED_LINE = re.compile(rb"^\[(\d+)\]<(stdout|stderr)>:")
+#: Parses a line that already carries a prefix (the mpi wrapper and the ssh agent write these).
+PREFIXED_LINE = re.compile(rb"^\[(\d+|server \d+|scheduler)\]<(stdout|stderr)>:")
 
 
-def prefix(rank: int, stream: str) -> bytes:
-    """The prefix of a worker's line, e.g. ``b"[1]<stderr>:"``."""
-    return f"[{rank}]<{stream}>:".encode()
+def prefix(key: Key, stream: str) -> bytes:
+    """The prefix of a process's line, e.g. ``b"[1]<stderr>:"`` or ``b"[server 0]<stdout>:"``."""
+    return f"[{key}]<{stream}>:".encode()
+
+
+def split_prefixed(line: bytes) -> tuple[Key, str, bytes] | None:
+    """``(key, stream, payload)`` of a prefixed line, or None if it has no prefix."""
+    match = PREFIXED_LINE.match(line)
+    if match is None:
+        return None
+    return parse_key(match.group(1).decode()), match.group(2).decode(), line[match.end():]
+
+
+def log_directory(key: Key) -> str:
+    """The ``--output-filename`` subdirectory of a process: ``rank.3``, ``server.0``, ``scheduler``."""
+    return f"rank.{key}" if isinstance(key, int) else str(key).replace(" ", ".")
 
 
 def write_bytes(stream: TextIO | IO[str], data: bytes) -> None:
@@ -55,13 +72,13 @@ class OutputSink:
     def __init__(self, stdout: TextIO, stderr: TextIO, log_dir: str | None = None) -> None:
         self._targets = {"stdout": stdout, "stderr": stderr}
         self._lock = threading.Lock()
-        self._tails: dict[int, collections.deque[str]] = {}
+        self._tails: dict[Key, collections.deque[str]] = {}
         self._log_dir = log_dir
-        self._logs: dict[tuple[int, str], BinaryIO] = {}
+        self._logs: dict[tuple[Key, str], BinaryIO] = {}
         self._broken = False
 
-    def emit(self, rank: int, stream: str, payload: bytes) -> None:
-        """Print one line of ``rank``'s ``stream`` (``payload`` without prefix)."""
+    def emit(self, rank: Key, stream: str, payload: bytes) -> None:
+        """Print one line of process ``rank``'s ``stream`` (``payload`` without prefix)."""
         if not payload.endswith(b"\n"):
             payload += b"\n"
         with self._lock:
@@ -79,8 +96,8 @@ class OutputSink:
         with self._lock:
             self._write(stream, line)
 
-    def tail(self, rank: int) -> list[str]:
-        """The last :data:`TAIL_LINES` lines ``rank`` wrote to stderr."""
+    def tail(self, rank: Key) -> list[str]:
+        """The last :data:`TAIL_LINES` lines process ``rank`` wrote to stderr."""
         with self._lock:
             return list(self._tails.get(rank, ()))
 
@@ -101,10 +118,10 @@ class OutputSink:
             # closed: keep draining the workers' pipes so they never block.
             self._broken = True
 
-    def _log(self, rank: int, stream: str, payload: bytes) -> None:
+    def _log(self, rank: Key, stream: str, payload: bytes) -> None:
         f = self._logs.get((rank, stream))
         if f is None:
-            directory = os.path.join(self._log_dir, f"rank.{rank}")  # type: ignore[arg-type]
+            directory = os.path.join(self._log_dir, log_directory(rank))  # type: ignore[arg-type]
             os.makedirs(directory, exist_ok=True)
             f = self._logs[(rank, stream)] = open(os.path.join(directory, stream), "ab")
         f.write(payload)

@@ -18,7 +18,7 @@ SCRIPTS = Path(__file__).parent / "scripts"
 
 def hora_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The launcher's environment: ours, minus variables that would change what the tests see."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "OMPI_", "PMIX_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "OMPI_", "PMIX_", "DMLC_", "SLURM_"))}
     env.pop("OMP_NUM_THREADS", None)
     env.update(extra or {})
     return env

@@ -71,7 +71,6 @@ def test_run_under_mpi():
     [
         (dict(min_np=1), UnsupportedError, "elastic training is not available yet"),
         (dict(reset_limit=2), UnsupportedError, "elastic training is not available yet"),
-        (dict(ssh_port=22), UnsupportedError, "the ssh launcher is not available yet"),
         (dict(slots=2), UnsupportedError, "hosts='localhost:2'"),
         (dict(use_gloo=True, use_mpi=True), ConfigError, "contradict each other"),
         (dict(use_mpi=True, controller="gloo"), ConfigError, "contradicts use_mpi=True"),

@@ -48,10 +48,19 @@ def test_mxnet_spellings():
         parse("-np", "2", "-n", "3", "python")
 
 
-def test_servers_are_not_available_yet():
-    with pytest.raises(ConfigError, match="parameter servers arrive with the KVStore issue"):
-        parse("-n", "2", "-s", "1", "python", "x.py")
+def test_server_counts(monkeypatch):
+    monkeypatch.delenv("DMLC_NUM_SERVER", raising=False)
+    assert parse("-n", "2", "python", "x.py").num_servers == 0
     assert parse("-n", "2", "-s", "0", "python", "x.py").num_servers == 0
+    assert parse("-n", "2", "-s", "3", "python", "x.py").num_servers == 3
+    assert parse("-n", "4", "-s", "--", "python", "x.py").num_servers == 4  # -s alone: as many as workers
+    monkeypatch.setenv("DMLC_NUM_SERVER", "2")
+    assert parse("-n", "3", "python", "x.py").num_servers == 2
+    assert parse("-n", "3", "-s", "1", "python", "x.py").num_servers == 1
+    with pytest.raises(ConfigError, match=r"-s -2 must be >= 0"):
+        LaunchConfig(command=["python"], num_proc=2, num_servers=-2)
+    with pytest.raises(ConfigError, match="parameter servers are started by the local and ssh launchers"):
+        parse("-n", "2", "-s", "1", "--mpi", "python", "x.py")
 
 
 def test_mpi_flag_selects_mpi_launcher_and_conflicts_are_reported():
@@ -150,15 +159,15 @@ def test_local_host_detection():
     assert not is_local_host("node-that-does-not-exist.example")
 
 
-def test_remote_host_needs_the_ssh_launcher():
-    with pytest.raises(LaunchError, match="needs the ssh launcher, which is not available yet"):
-        plan_slots(LaunchConfig(command=["python"], num_proc=2, hosts="localhost:1,node1:1"))
-
-
-def test_planned_launchers_are_not_available_yet():
-    for name in ("ssh", "slurm"):
-        with pytest.raises(LaunchError, match=f"the {name} launcher is not available yet"):
-            get_launcher(name)
+def test_remote_hosts_choose_the_ssh_launcher():
+    config = LaunchConfig(command=["python"], num_proc=2, hosts="localhost:1,node1:1")
+    assert (config.launcher, config.controller) == ("ssh", "gloo")
+    with pytest.raises(ConfigError, match="--launcher local only starts processes on this machine.*'node1'"):
+        LaunchConfig(command=["python"], num_proc=2, hosts="localhost:1,node1:1", launcher="local")
+    for name in ("local", "ssh", "mpi", "slurm"):
+        assert get_launcher(name).name == name
+    with pytest.raises(LaunchError, match="unknown launcher"):
+        get_launcher("k8s")
 
 
 def test_local_names_share_one_host():

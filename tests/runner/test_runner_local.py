@@ -149,14 +149,10 @@ def test_usage_errors_exit_2_without_traceback(hora_cli, args, message):
 
 
 @pytest.mark.timeout(30)
-def test_not_yet_available_features_are_clear_errors(hora_cli):
-    result = hora_cli("run", "-np", "2", "-H", "node1:2", "python")
-    assert result.returncode == 1
-    assert "needs the ssh launcher, which is not available yet" in result.stderr
+def test_slurm_launcher_outside_an_allocation_is_a_clear_error(hora_cli):
     result = hora_cli("run", "-np", "2", "--launcher", "slurm", "python")
-    assert result.returncode == 1 and "the slurm launcher is not available yet" in result.stderr
-    result = hora_cli("run", "-n", "2", "-s", "2", "python")
-    assert result.returncode == 2 and "parameter servers arrive with the KVStore issue" in result.stderr
+    assert result.returncode == 1
+    assert "--launcher slurm runs inside a Slurm allocation (SLURM_JOB_ID is not set)" in result.stderr
 
 
 @pytest.mark.timeout(30)

@@ -1,4 +1,10 @@
-"""What every launcher shares: the rank plan, exit records and the launcher protocol."""
+"""What every launcher shares: the process plan, exit records, fail-fast supervision, the launcher protocol.
+
+A job's processes are :class:`Slot` s: the workers (ranks) and, with
+parameter servers, one scheduler and the servers.  Each has a *key* that
+names it in output prefixes and exit records: the rank (an int) for a
+worker, ``"server N"`` or ``"scheduler"`` otherwise.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +13,31 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from hora.runner.config import HostSlots, LaunchConfig
+    from hora.runner.env import Endpoints
     from hora.runner.output import OutputSink
 
 logger = logging.getLogger(__name__)
 
+#: Process roles; workers are the ranks, the others exist only with parameter servers.
+WORKER, SERVER, SCHEDULER = "worker", "server", "scheduler"
+#: Key of a process: the rank for a worker, "server N" / "scheduler" otherwise.
+Key = int | str
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Slot:
-    """Where one rank runs and its place in the job (the ``HORA_*`` rank variables)."""
+    """Where one process runs and its place in the job.
+
+    For a worker, ``rank`` .. ``cross_size`` are the ``HORA_*`` rank
+    variables.  For a server, ``rank`` is its index among the ``size``
+    servers; the scheduler has rank 0 of 1.
+    """
 
     rank: int
     size: int
@@ -28,13 +46,33 @@ class Slot:
     cross_rank: int
     cross_size: int
     host: str
+    role: str = WORKER
+
+    @property
+    def key(self) -> Key:
+        """The rank for a worker, ``"server N"`` or ``"scheduler"`` otherwise."""
+        return process_key(self.role, self.rank)
+
+    @property
+    def name(self) -> str:
+        """``"rank 3"``, ``"server 0"`` or ``"scheduler"``, for messages."""
+        return process_name(self.role, self.rank)
 
     def env(self) -> dict[str, str]:
-        """The rank-specific part of a worker's environment.
+        """The process-specific part of the environment.
 
-        The ``HOROVOD_*`` copies are what horovodrun exports; scripts and test
-        suites written for Horovod read them.
+        Workers get the rank variables; the ``HOROVOD_*`` copies are what
+        horovodrun exports, and scripts and test suites written for Horovod
+        read them.  Servers and the scheduler get their ``DMLC_ROLE`` and a
+        server its launch index, ``HORA_PS_SERVER_INDEX`` (the
+        shared ``DMLC_*`` variables, with ``DMLC_ROLE=worker``, are in the
+        job's environment, see :mod:`hora.runner.env`).
         """
+        if self.role != WORKER:
+            env = {"DMLC_ROLE": self.role}
+            if self.role == SERVER:
+                env["HORA_PS_SERVER_INDEX"] = str(self.rank)  # so "[server i]" logs as server i
+            return env
         values = {
             "RANK": str(self.rank),
             "SIZE": str(self.size),
@@ -49,6 +87,23 @@ class Slot:
         return env
 
 
+def process_key(role: str, index: int) -> Key:
+    """The key of the ``index``-th process of ``role`` (see :attr:`Slot.key`)."""
+    if role == WORKER:
+        return index
+    return SCHEDULER if role == SCHEDULER else f"{role} {index}"
+
+
+def process_name(role: str, index: int) -> str:
+    """``"rank 3"``, ``"server 0"`` or ``"scheduler"``."""
+    return f"rank {index}" if role == WORKER else str(process_key(role, index))
+
+
+def parse_key(text: str) -> Key:
+    """The key written in an output prefix: ``"3"`` -> 3, ``"server 0"`` stays a string."""
+    return int(text) if text.isdigit() else text
+
+
 def assign_ranks(hosts: Sequence[HostSlots], num_proc: int) -> list[Slot]:
     """Fill hosts in order, each up to its slots, until ``num_proc`` ranks are placed."""
     placed: list[tuple[str, int]] = []  # (host, local count)
@@ -57,6 +112,8 @@ def assign_ranks(hosts: Sequence[HostSlots], num_proc: int) -> list[Slot]:
         if left == 0:
             break
         take = min(h.slots, left)
+        if take == 0:
+            continue
         placed.append((h.host, take))
         left -= take
     slots: list[Slot] = []
@@ -114,15 +171,18 @@ def signal_group(pgid: int, signum: int) -> bool:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RankExit:
-    """How one rank ended.
+    """How one process (a rank, a server or the scheduler) ended.
 
     Attributes:
-        rank: the rank.
+        rank: the rank (for a server, its index).
         host: where it ran.
         returncode: Popen convention: ``-N`` means killed by signal N.
         stopped: True when the launcher had already begun stopping the job,
             so this exit is a consequence, not a cause.
-        stderr_tail: the last lines the rank wrote to stderr.
+        stderr_tail: the last lines the process wrote to stderr.
+        role: ``worker``, ``server`` or ``scheduler``.
+        note: why the launcher lost track of it, when it did not see it exit
+            (e.g. the ssh connection to its host broke).
     """
 
     rank: int
@@ -130,15 +190,28 @@ class RankExit:
     returncode: int
     stopped: bool = False
     stderr_tail: tuple[str, ...] = ()
+    role: str = WORKER
+    note: str = ""
 
     @property
     def failed(self) -> bool:
-        """Whether the rank ended with a non-zero code or a signal."""
+        """Whether the process ended with a non-zero code or a signal."""
         return self.returncode != 0
 
+    @property
+    def key(self) -> Key:
+        """See :attr:`Slot.key`."""
+        return process_key(self.role, self.rank)
+
+    @property
+    def name(self) -> str:
+        """``"rank 1"``, ``"server 0"`` or ``"scheduler"``."""
+        return process_name(self.role, self.rank)
+
     def describe(self) -> str:
-        """``"rank 1 on host exited with code 3"`` (or killed by a signal)."""
-        return f"rank {self.rank} on {self.host} {describe_returncode(self.returncode)}"
+        """``"rank 1 on host exited with code 3"`` (or killed by a signal, or lost with a note)."""
+        text = f"{self.name} on {self.host} {describe_returncode(self.returncode)}"
+        return f"{text} ({self.note})" if self.note else text
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -147,9 +220,9 @@ class JobResult:
 
     Attributes:
         exit_code: what ``hora run`` exits with (0 on success).
-        root_cause: the first rank that failed on its own, if any.
+        root_cause: the first process that failed on its own, if any.
         interrupted_by: the signal that stopped the launcher, if any.
-        exits: every rank exit the launcher observed, by rank.
+        exits: every process exit the launcher observed, by key (rank for workers).
         message: a launcher-level failure with no rank to blame (e.g. mpirun
             itself failed), with ``details`` lines to show under it.
     """
@@ -157,7 +230,7 @@ class JobResult:
     exit_code: int
     root_cause: RankExit | None = None
     interrupted_by: int | None = None
-    exits: dict[int, RankExit] = dataclasses.field(default_factory=dict)
+    exits: dict[Key, RankExit] = dataclasses.field(default_factory=dict)
     message: str | None = None
     details: tuple[str, ...] = ()
 
@@ -186,17 +259,24 @@ class Interrupt:
 
 
 class Launcher(Protocol):
-    """Starts the workers of a job, supervises them and reports how they ended.
+    """Starts the processes of a job, supervises them and reports how they ended.
 
-    A launcher must: start ``len(slots)`` workers running ``config.command``
-    with ``env`` plus the rank variables; print their output through ``sink``;
-    stop every worker soon after the first one fails or after a signal is
-    polled from ``interrupt`` (SIGTERM/SIGINT, then SIGKILL after
+    ``prepare`` runs first: it does what must happen before the environment
+    can be built (the ssh launcher copies files and reaches every host) and
+    returns where rank 0 and the parameter-server scheduler listen.  ``run``
+    must then: start one process per slot (``config.command`` for workers,
+    :func:`hora.runner.plan.slot_command` for the others) with ``env`` plus
+    :meth:`Slot.env`; print their output through ``sink``; stop every process
+    soon after the first one fails or after a signal is polled from
+    ``interrupt`` (SIGTERM/SIGINT, then SIGKILL after
     ``config.grace_period``); and return a :class:`JobResult` whose
-    ``root_cause`` is the first rank that failed on its own.
+    ``root_cause`` is the first process that failed on its own.  ``close``
+    releases whatever ``prepare`` acquired, and is safe to call twice.
     """
 
     name: str
+
+    def prepare(self, config: LaunchConfig, slots: Sequence[Slot]) -> Endpoints: ...
 
     def run(
         self,
@@ -206,3 +286,158 @@ class Launcher(Protocol):
         sink: OutputSink,
         interrupt: Interrupt,
     ) -> JobResult: ...
+
+    def close(self) -> None: ...
+
+
+#: How often supervision loops look at exits, signals and deadlines.
+POLL_SECONDS = 0.05
+
+
+class Supervisor:
+    """Fail-fast supervision shared by the launchers that start processes themselves.
+
+    It records exits, names the root cause (the first process that failed
+    while nobody was stopping the job), stops everything on the first failure
+    or on a signal (the signal, then SIGKILL after the grace period), and,
+    when every worker has exited 0, gives servers and the scheduler
+    ``server_grace`` seconds to exit on their own before stopping them;
+    the job then succeeds.  Subclasses say how exits arrive (:meth:`wait`)
+    and how processes are signalled (:meth:`deliver`).
+    """
+
+    def __init__(
+        self,
+        slots: Sequence[Slot],
+        sink: OutputSink,
+        interrupt: Interrupt,
+        grace_period: float,
+        server_grace: float,
+    ) -> None:
+        self.slots: dict[Key, Slot] = {s.key: s for s in slots}
+        self.sink = sink
+        self.interrupt = interrupt
+        self.grace_period = grace_period
+        self.server_grace = server_grace
+        self.exits: dict[Key, RankExit] = {}
+        self.root_cause: RankExit | None = None
+        self.interrupted_by: int | None = None
+        self.stopping_since: float | None = None
+        self.killed_at: float | None = None
+        self.workers_done_at: float | None = None
+        self.message: str | None = None
+        self.details: tuple[str, ...] = ()
+
+    # -- what subclasses provide --
+
+    def wait(self, timeout: float) -> list[tuple[Key, int, str]]:
+        """Exits that happened, as ``(key, returncode, note)``, waiting up to ``timeout``."""
+        raise NotImplementedError
+
+    def deliver(self, keys: Sequence[Key], signum: int) -> None:
+        """Send ``signum`` to the processes ``keys`` (and whatever they started)."""
+        raise NotImplementedError
+
+    def tick(self, now: float) -> None:
+        """Called every poll; a subclass may give up on unresponsive processes here."""
+
+    def finish(self) -> None:
+        """Called once every process has ended (e.g. to kill leftovers of stopped groups)."""
+
+    # -- the loop --
+
+    def run(self) -> JobResult:
+        """Supervise until every process has ended; return the outcome."""
+        while len(self.exits) < len(self.slots):
+            self._handle_signals()
+            for key, returncode, note in self.wait(POLL_SECONDS):
+                self.record(key, returncode, note)
+            now = time.monotonic()
+            self._check_deadlines(now)
+            self.tick(now)
+        self.finish()
+        return JobResult(
+            exit_code=self._exit_code(),
+            root_cause=self.root_cause,
+            interrupted_by=self.interrupted_by,
+            exits=dict(sorted(self.exits.items(), key=lambda item: _key_order(item[0]))),
+            message=self.message,
+            details=self.details,
+        )
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the launcher has begun stopping the job (failure, signal or workers done)."""
+        return self.stopping_since is not None
+
+    def running(self) -> list[Key]:
+        """Keys of the processes that have not ended."""
+        return [key for key in self.slots if key not in self.exits]
+
+    def record(self, key: Key, returncode: int, note: str = "") -> None:
+        """Take note that ``key`` ended; the first failure stops the job."""
+        if key in self.exits or key not in self.slots:
+            return
+        slot = self.slots[key]
+        exit_ = RankExit(
+            rank=slot.rank, role=slot.role, host=slot.host, returncode=returncode, stopped=self.stopping,
+            stderr_tail=tuple(self.sink.tail(key)), note=note,
+        )
+        self.exits[key] = exit_
+        logger.debug("%s ended: returncode %d", slot.name, returncode)
+        if exit_.failed and not self.stopping:
+            self.root_cause = exit_
+            self.stop(signal.SIGTERM)
+        elif self.workers_done_at is None and not self.stopping and self._workers_succeeded():
+            self.workers_done_at = time.monotonic()
+
+    def stop(self, signum: int) -> None:
+        """Begin stopping every process that still runs."""
+        self.stopping_since = time.monotonic()
+        running = self.running()
+        if running:
+            self.deliver(running, signum)
+
+    def kill_all(self) -> None:
+        """SIGKILL every process that still runs."""
+        self.killed_at = time.monotonic()
+        running = self.running()
+        if running:
+            self.deliver(running, signal.SIGKILL)
+
+    def _handle_signals(self) -> None:
+        signum = self.interrupt.pop()
+        if signum is None:
+            return
+        if self.stopping:
+            self.kill_all()  # a second signal while stopping: the user does not want to wait
+            return
+        self.interrupted_by = signum
+        logger.info("received %s: forwarding it to all processes", signal_name(signum))
+        self.stop(signum)
+
+    def _check_deadlines(self, now: float) -> None:
+        if self.stopping_since is not None:
+            if self.killed_at is None and now - self.stopping_since >= self.grace_period:
+                self.kill_all()
+        elif self.workers_done_at is not None and now - self.workers_done_at >= self.server_grace:
+            logger.info("all workers finished; stopping the servers and the scheduler")
+            self.stop(signal.SIGTERM)
+
+    def _workers_succeeded(self) -> bool:
+        workers = [k for k, s in self.slots.items() if s.role == WORKER]
+        return all(k in self.exits and not self.exits[k].failed for k in workers)
+
+    def _exit_code(self) -> int:
+        if self.root_cause is not None:
+            return exit_status(self.root_cause.returncode)
+        if self.interrupted_by is not None:
+            return 128 + self.interrupted_by
+        failed = [e for e in self.exits.values() if e.failed and (e.role == WORKER or not e.stopped)]
+        if failed:
+            return exit_status(failed[0].returncode)
+        return 1 if self.message else 0
+
+
+def _key_order(key: Key) -> tuple[int, int | str]:
+    return (0, key) if isinstance(key, int) else (1, key)

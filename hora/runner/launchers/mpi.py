@@ -26,8 +26,8 @@ import time
 from collections.abc import Mapping, Sequence
 
 from hora.errors import LaunchError
-from hora.runner.config import LaunchConfig
-from hora.runner.env import available_cpus
+from hora.runner.config import LaunchConfig, is_local_host
+from hora.runner.env import Endpoints, available_cpus, forwarded_names, free_port, local_endpoints
 from hora.runner.launchers.base import (
     Interrupt,
     JobResult,
@@ -40,7 +40,8 @@ from hora.runner.launchers.base import (
     signal_name,
 )
 from hora.runner.mpi_child import parse_marker
-from hora.runner.output import PREFIXED_LINE, TAIL_LINES, OutputSink, pump
+from hora.runner.output import TAIL_LINES, OutputSink, pump, split_prefixed
+from hora.runner.ssh import SshOptions
 
 logger = logging.getLogger(__name__)
 
@@ -69,22 +70,68 @@ def find_mpirun(env: Mapping[str, str]) -> str:
 
 def exported_names(env: Mapping[str, str], config: LaunchConfig) -> list[str]:
     """The variables mpirun must pass to every rank with ``-x``."""
-    names = {n for n in env if n.startswith("HORA_")}
-    names |= {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "GLOO_SOCKET_IFNAME"} & set(env)
-    names |= set(config.env)
-    return sorted(names)
+    return forwarded_names(env, config)
 
 
-def mpirun_command(config: LaunchConfig, num_proc: int, env: Mapping[str, str], mpirun: str) -> list[str]:
-    """The full mpirun command line for the job (values of ``-x`` stay in the environment)."""
+def mpi_flavour(mpirun: str) -> str:
+    """``"openmpi"`` or ``"mpich"``, from ``mpirun --version`` (Open MPI when it cannot tell)."""
+    try:
+        result = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return "openmpi"
+    text = (result.stdout + result.stderr).lower()
+    return "mpich" if ("hydra" in text or "mpich" in text) and "open mpi" not in text else "openmpi"
+
+
+def mpirun_command(
+    config: LaunchConfig,
+    num_proc: int,
+    env: Mapping[str, str],
+    mpirun: str,
+    *,
+    hosts: Sequence[tuple[str, int]] = (),
+    flavour: str = "openmpi",
+) -> list[str]:
+    """The full mpirun command line for the job (values of ``-x`` stay in the environment).
+
+    Args:
+        config: the launch.
+        num_proc: number of ranks.
+        env: the ranks' environment; the names of :func:`exported_names` are forwarded.
+        mpirun: the mpirun executable.
+        hosts: ``(host, ranks)`` when the job spans other hosts; empty for this machine only.
+        flavour: ``"openmpi"`` or ``"mpich"`` (Hydra), whose flags differ.
+    """
+    names = exported_names(env, config)
+    ssh = SshOptions.from_config(config)
+    remote = hosts and not all(is_local_host(h) for h, _ in hosts)
+    ssh_args = shlex.join(ssh.options(next((h for h, _ in hosts if not is_local_host(h)), None))) if remote else ""
     command = [mpirun, "-np", str(num_proc)]
-    if num_proc > available_cpus():
-        command.append("--oversubscribe")
-    command += ["--bind-to", "none"]
-    if config.network_interface:
-        command += ["--mca", "btl_tcp_if_include", config.network_interface]
-    for name in exported_names(env, config):
-        command += ["-x", name]
+    if flavour == "mpich":
+        if hosts:
+            command += ["-hosts", ",".join(f"{h}:{n}" for h, n in hosts)]
+        if remote:
+            command += ["-launcher", "ssh", "-launcher-exec", f"ssh {ssh_args}"]
+        command += ["-bind-to", "none"]
+        if config.network_interface:
+            command += ["-iface", config.network_interface]
+        if names:
+            command += ["-genvlist", ",".join(names)]
+    else:
+        if hosts:
+            command += ["-H", ",".join(f"{h}:{n}" for h, n in hosts)]
+        if num_proc > available_cpus() or hosts:
+            command.append("--oversubscribe")
+        command += ["--bind-to", "none"]
+        if remote:
+            # Open MPI 5 reaches hosts through PRRTE, which reads its own ssh settings.
+            command += ["--prtemca", "plm_ssh_args", ssh_args]
+            command += ["--prefix", os.path.dirname(os.path.dirname(mpirun))]
+        if config.network_interface:
+            command += ["--mca", "btl_tcp_if_include", config.network_interface]
+            command += ["--prtemca", "oob_tcp_if_include", config.network_interface]
+        for name in names:
+            command += ["-x", name]
     command += list(config.mpi_args)
     command += [sys.executable, "-m", "hora.runner.mpi_child", "--", *config.command]
     return command
@@ -94,6 +141,19 @@ class MpiLauncher:
     """Runs the job under mpirun (see :class:`Launcher`)."""
 
     name = "mpi"
+
+    def prepare(self, config: LaunchConfig, slots: Sequence[Slot]) -> Endpoints:
+        """Where rank 0 listens: this machine when it runs rank 0, else rank 0's host by name.
+
+        The MPI controller does not use the rendezvous; it is set for code that reads it.
+        """
+        root = next(s.host for s in slots if s.key == 0)
+        if is_local_host(root) or all(is_local_host(s.host) for s in slots):
+            return local_endpoints(config)
+        return Endpoints(addr=root, port=free_port(""))
+
+    def close(self) -> None:
+        """Nothing to release: mpirun has ended when :meth:`run` returns."""
 
     def run(
         self,
@@ -108,7 +168,15 @@ class MpiLauncher:
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             mpirun_env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
             mpirun_env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
-        command = mpirun_command(config, len(slots), mpirun_env, find_mpirun(mpirun_env))
+        mpirun = find_mpirun(mpirun_env)
+        hosts: dict[str, int] = {}
+        for slot in slots:
+            hosts[slot.host] = hosts.get(slot.host, 0) + 1
+        spans = len(hosts) > 1 or not all(is_local_host(h) for h in hosts)
+        command = mpirun_command(
+            config, len(slots), mpirun_env, mpirun, hosts=list(hosts.items()) if spans else (),
+            flavour=mpi_flavour(mpirun) if spans else "openmpi",
+        )
         if config.verbose:
             sink.emit_raw("stderr", f"hora run: {shlex.join(command)}".encode())
         try:
@@ -118,13 +186,27 @@ class MpiLauncher:
             )
         except OSError as e:
             raise LaunchError(f"cannot start mpirun {command[0]!r}: {e.strerror or e}") from e
-        return _MpirunSupervisor(proc, slots, sink, interrupt, config.grace_period).run()
+        return ToolSupervisor(proc, slots, sink, interrupt, config.grace_period, tool="mpirun").run()
 
 
-class _MpirunSupervisor:
+class ToolSupervisor:
+    """Supervises a tool that starts every rank itself (mpirun, srun) through :mod:`hora.runner.mpi_child`.
+
+    Ranks' lines arrive prefixed and their exits as marker lines on the
+    tool's stderr; the tool's own lines are passed through and kept for the
+    report when it fails before any rank does.
+    """
+
     def __init__(
-        self, proc: subprocess.Popen, slots: Sequence[Slot], sink: OutputSink, interrupt: Interrupt, grace: float
+        self,
+        proc: subprocess.Popen,
+        slots: Sequence[Slot],
+        sink: OutputSink,
+        interrupt: Interrupt,
+        grace: float,
+        tool: str = "mpirun",
     ) -> None:
+        self.tool = tool
         self.proc = proc
         self.hosts = {s.rank: s.host for s in slots}
         self.sink = sink
@@ -143,9 +225,9 @@ class _MpirunSupervisor:
         ]
 
     def _line(self, stream: str, line: bytes) -> None:
-        match = PREFIXED_LINE.match(line)
-        if match:
-            self.sink.emit(int(match.group(1)), match.group(2).decode(), line[match.end():])
+        prefixed = split_prefixed(line)
+        if prefixed is not None:
+            self.sink.emit(*prefixed)
             return
         record = parse_marker(line) if stream == "stderr" else None
         if record is not None:
@@ -172,7 +254,7 @@ class _MpirunSupervisor:
             return
         if self.interrupted_by is None and self.root_cause is None:
             self.interrupted_by = signum
-            logger.info("received %s: forwarding it to mpirun", signal_name(signum))
+            logger.info("received %s: forwarding it to %s", signal_name(signum), self.tool)
             self.proc.send_signal(signum)
             self.deadline = time.monotonic() + self.grace
         else:
@@ -210,7 +292,7 @@ class _MpirunSupervisor:
         # get SIGTERM from the kernel when mpirun's daemon dies.
         self.escalation += 1
         if self.escalation == 1 and self.root_cause is not None:
-            logger.warning("mpirun did not end after rank %d failed; terminating it", self.root_cause.rank)
+            logger.warning("%s did not end after rank %d failed; terminating it", self.tool, self.root_cause.rank)
             self.proc.send_signal(signal.SIGTERM)
             self.deadline = time.monotonic() + self.grace
         else:
@@ -231,7 +313,7 @@ class _MpirunSupervisor:
             result.exit_code = 128 + self.interrupted_by
         elif returncode != 0:
             result.exit_code = exit_status(returncode)
-            result.message = f"mpirun {describe_returncode(returncode)} before any rank failed"
+            result.message = f"{self.tool} {describe_returncode(returncode)} before any rank failed"
             result.details = tuple(self.mpirun_tail)
         return result
 

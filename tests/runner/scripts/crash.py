@@ -11,7 +11,7 @@ import sys
 import time
 
 mode = sys.argv[1]
-rank = int(os.environ.get("HORA_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "-1")))
+rank = int(next((os.environ[n] for n in ("HORA_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID") if n in os.environ), -1))
 print(f"rank {rank} started", flush=True)
 if rank == 1:
     time.sleep(0.3)

@@ -1,0 +1,165 @@
+"""The slurm launcher: inside an allocation, srun starts the ranks.
+
+``hora run -np N cmd`` inside ``salloc``/``sbatch`` runs ``srun --ntasks N
+--kill-on-bad-exit=1 python -m hora.runner.mpi_child -- cmd``: the same
+per-rank wrapper as under mpirun, so output is prefixed by rank and each
+rank's exit is reported.  Ranks read their place in the job from srun's
+``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURM_NODEID`` and
+``SLURM_TASKS_PER_NODE`` (see :mod:`hora.core.topology`).  Rank 0 runs on
+the first node of the allocation, so that node is the rendezvous address.
+With ``--kill-on-bad-exit``, Slurm itself stops every rank when one fails;
+hora names the root cause from the wrappers' reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+from hora.errors import LaunchError
+from hora.runner.config import HostSlots, LaunchConfig, is_local_host, spread
+from hora.runner.env import Endpoints, free_port, interface_address
+from hora.runner.launchers.base import Interrupt, JobResult, Slot, new_group_kwargs
+from hora.runner.launchers.mpi import ToolSupervisor
+from hora.runner.output import OutputSink
+
+logger = logging.getLogger(__name__)
+
+
+def find_srun(env: Mapping[str, str]) -> str:
+    """srun on PATH.
+
+    Raises:
+        LaunchError: there is no srun, or this is not inside an allocation.
+    """
+    if not env.get("SLURM_JOB_ID"):
+        raise LaunchError(
+            "--launcher slurm runs inside a Slurm allocation (SLURM_JOB_ID is not set): "
+            "start hora run from salloc or an sbatch script"
+        )
+    found = shutil.which("srun", path=env.get("PATH"))
+    if found is None:
+        raise LaunchError("--launcher slurm needs srun on PATH")
+    return found
+
+
+def allocation_nodes(env: Mapping[str, str]) -> list[str]:
+    """The allocation's node names, in Slurm's order (``scontrol show hostnames``).
+
+    Raises:
+        LaunchError: the node list cannot be read or expanded.
+    """
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise LaunchError("SLURM_JOB_NODELIST is not set; is this a Slurm allocation?")
+    if "[" not in nodelist:
+        return [n for n in nodelist.split(",") if n]
+    try:
+        result = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise LaunchError(f"cannot expand SLURM_JOB_NODELIST={nodelist!r} with scontrol: {e}") from e
+    nodes = result.stdout.split()
+    if result.returncode != 0 or not nodes:
+        raise LaunchError(f"scontrol cannot expand SLURM_JOB_NODELIST={nodelist!r}: {result.stderr.strip()}")
+    return nodes
+
+
+def expand_counts(compressed: str) -> list[int]:
+    """Expand Slurm's ``2(x3),1`` notation into ``[2, 2, 2, 1]``.
+
+    Raises:
+        LaunchError: the text is not in that notation.
+    """
+    counts: list[int] = []
+    try:
+        for part in compressed.split(","):
+            if "(x" in part:
+                count, repeat = part.rstrip(")").split("(x")
+                counts += [int(count)] * int(repeat)
+            else:
+                counts.append(int(part))
+    except ValueError:
+        raise LaunchError(f"cannot read Slurm's task counts {compressed!r}") from None
+    return counts
+
+
+def allocation_hosts(num_proc: int, environ: Mapping[str, str] | None = None) -> list[HostSlots]:
+    """The allocation's nodes with the ranks srun will put on each.
+
+    srun fills the nodes as the allocation lays its tasks out
+    (``SLURM_TASKS_PER_NODE``) when ``num_proc`` matches it; otherwise the
+    ranks are spread evenly (an estimate, used for ``OMP_NUM_THREADS`` and
+    messages only: the ranks read their real place from srun).
+
+    Raises:
+        LaunchError: not inside an allocation.
+    """
+    environ = os.environ if environ is None else environ
+    find_srun(environ)
+    nodes = allocation_nodes(environ)
+    counts = expand_counts(environ["SLURM_TASKS_PER_NODE"]) if environ.get("SLURM_TASKS_PER_NODE") else []
+    if len(counts) == len(nodes) and sum(counts) == num_proc:
+        return [HostSlots(n, c) for n, c in zip(nodes, counts, strict=True)]
+    return [h for h in spread([HostSlots(n, 1, fixed=False) for n in nodes], num_proc) if h.slots > 0]
+
+
+def srun_command(config: LaunchConfig, srun: str) -> list[str]:
+    """The srun command line of the job."""
+    command = [srun, "--ntasks", str(config.num_proc), "--kill-on-bad-exit=1", "--export=ALL"]
+    command += [sys.executable, "-m", "hora.runner.mpi_child", "--", *config.command]
+    return command
+
+
+class SlurmLauncher:
+    """Runs the ranks with srun inside the current allocation (see :class:`Launcher`)."""
+
+    name = "slurm"
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        self.environ = dict(os.environ if environ is None else environ)
+
+    def prepare(self, config: LaunchConfig, slots: Sequence[Slot]) -> Endpoints:
+        """Rank 0's node (the allocation's first) hosts the rendezvous.
+
+        Raises:
+            LaunchError: not inside an allocation, or no srun.
+        """
+        find_srun(self.environ)
+        first = allocation_nodes(self.environ)[0]
+        if is_local_host(first):
+            address = interface_address(config.network_interface) if config.network_interface else first
+            return Endpoints(addr=address, port=free_port(""))
+        # Another node: a port that is free there cannot be checked from here.
+        return Endpoints(addr=first, port=random.randint(20000, 59999))
+
+    def run(
+        self,
+        config: LaunchConfig,
+        slots: Sequence[Slot],
+        env: Mapping[str, str],
+        sink: OutputSink,
+        interrupt: Interrupt,
+    ) -> JobResult:
+        """Start srun and supervise it until it has ended."""
+        command = srun_command(config, find_srun(env))
+        if config.verbose:
+            sink.emit_raw("stderr", f"hora run: {shlex.join(command)}".encode())
+        try:
+            proc = subprocess.Popen(
+                command, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                close_fds=True, **new_group_kwargs(),
+            )
+        except OSError as e:
+            raise LaunchError(f"cannot start srun {command[0]!r}: {e.strerror or e}") from e
+        return ToolSupervisor(proc, slots, sink, interrupt, config.grace_period, tool="srun").run()
+
+    def close(self) -> None:
+        """Nothing to release: srun has ended when :meth:`run` returns."""

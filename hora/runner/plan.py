@@ -1,0 +1,93 @@
+"""Where each process of a job runs, and what it runs.
+
+Workers fill the hosts in order, each host up to its slots, so the ranks of
+one host are consecutive (Horovod's placement).  With parameter servers
+(``-s S``) the scheduler runs on rank 0's host and server ``i`` on host
+``i mod H`` of the host list (MXNet's ssh launcher places them round-robin
+the same way).  Servers and the scheduler run ``python -m
+hora.kvstore.ps.node``; their role comes from ``DMLC_ROLE``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+
+from hora.runner.config import HostSlots, LaunchConfig, is_local_host
+from hora.runner.launchers.base import SCHEDULER, SERVER, WORKER, Slot, assign_ranks
+
+#: The module servers and the scheduler run.
+PS_NODE_MODULE = "hora.kvstore.ps.node"
+_PYTHON = re.compile(r"^python[0-9.]*$")
+
+
+def merged_hosts(config: LaunchConfig) -> list[HostSlots]:
+    """The host list with every name of this machine merged into one entry.
+
+    ``localhost``, ``127.0.0.1`` and this machine's hostname are one host:
+    it takes the place of the first of them, is named by
+    :func:`socket.gethostname`, and has the sum of their slots.
+    """
+    merged: list[HostSlots] = []
+    local_index: int | None = None
+    for h in config.host_list:
+        if is_local_host(h.host):
+            if local_index is None:
+                local_index = len(merged)
+                merged.append(HostSlots(socket.gethostname(), h.slots))
+            else:
+                merged[local_index] = HostSlots(merged[local_index].host, merged[local_index].slots + h.slots)
+        else:
+            merged.append(h)
+    return merged
+
+
+def plan_slots(config: LaunchConfig) -> list[Slot]:
+    """Every process of the job: scheduler and servers first (when ``-s`` > 0), then the ranks.
+
+    Raises:
+        LaunchError: the slurm launcher runs outside an allocation.
+    """
+    if config.launcher == "slurm":
+        from hora.runner.launchers.slurm import allocation_hosts
+
+        hosts = allocation_hosts(config.num_proc)
+    else:
+        hosts = merged_hosts(config)
+    workers = assign_ranks(hosts, config.num_proc)
+    if config.num_servers == 0:
+        return workers
+    plan = [
+        Slot(rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1, host=workers[0].host,
+             role=SCHEDULER)
+    ]
+    for index in range(config.num_servers):
+        plan.append(
+            Slot(rank=index, size=config.num_servers, local_rank=0, local_size=1, cross_rank=0, cross_size=1,
+                 host=hosts[index % len(hosts)].host, role=SERVER)
+        )
+    return plan + workers
+
+
+def server_python(config: LaunchConfig) -> str:
+    """The interpreter for servers: the workers' one when the command starts with python, else ours."""
+    program = config.command[0]
+    return program if _PYTHON.match(os.path.basename(program)) else sys.executable
+
+
+def slot_command(config: LaunchConfig, slot: Slot) -> list[str]:
+    """The command line of one process: the user's command for a worker, the PS node otherwise."""
+    if slot.role == WORKER:
+        return list(config.command)
+    return [server_python(config), "-m", PS_NODE_MODULE]
+
+
+def workers_per_host(slots: list[Slot]) -> int:
+    """The most workers any host runs (splits the CPUs between them, see OMP_NUM_THREADS)."""
+    counts: dict[str, int] = {}
+    for slot in slots:
+        if slot.role == WORKER:
+            counts[slot.host] = counts.get(slot.host, 0) + 1
+    return max(counts.values(), default=1)
