@@ -90,12 +90,32 @@ def _gloo_controller(topology: Topology, config: EngineConfig, rdv: RendezvousCo
             rdv.addr, rdv.port, topology.rank, topology.size,
             is_master=rdv.host_store and topology.rank == 0, timeout_s=config.start_timeout_seconds,
         )
-        hostname = "127.0.0.1" if rdv.addr in ("127.0.0.1", "localhost") and not rdv.interface else None
+        hostname = None if rdv.interface else _address_towards(rdv.addr, rdv.port)
     backend = GlooBackend(
         store, topology.rank, topology.size, prefix=f"hora/g{generation}",
         timeout_s=max(config.start_timeout_seconds, 300.0), interface=rdv.interface, hostname=hostname,
     )
     return backend, store
+
+
+def _address_towards(addr: str, port: int) -> str:
+    """This host's IP address on the route to ``addr``: the address peers can reach us at.
+
+    Without an interface, gloo would otherwise resolve the hostname, which in
+    containers and namespaces often has no DNS entry or maps to loopback.
+    Connecting a UDP socket sends nothing; it only asks the kernel for a route.
+    """
+    import socket
+
+    if addr in ("127.0.0.1", "localhost"):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((addr, port))
+            return s.getsockname()[0]
+    except OSError as e:
+        raise ConfigError(f"no route from this host to the rendezvous address {addr}:{port} ({e}); "
+                          "check HORA_RENDEZVOUS_ADDR or choose the interface with --network-interface") from e
 
 
 def _maybe_nccl(controller: Backend, store, config: EngineConfig, generation: int) -> Backend | None:

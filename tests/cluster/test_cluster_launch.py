@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+from conftest import REPO, clean_env
 
 pytestmark = pytest.mark.netns
 
@@ -247,3 +249,24 @@ def test_mxnet_hostfile_spreads_workers_and_dist_sync_servers_across_hosts(clust
     oks = sorted(line.split(":", 1)[1] for line in result.stdout.splitlines() if "sums ok" in line)
     assert oks == [f"worker {r} of 3 on h{r + 1}: dist_sync sums ok" for r in range(3)]
     assert "[server 0]<stderr>:" in result.stderr and "[scheduler]<stderr>:" in result.stderr
+
+
+def test_hand_started_ranks_on_two_hosts_need_no_interface(cluster):
+    """torchrun-style environment on h1 and h2, no GLOO_SOCKET_IFNAME: gloo finds the route to rank 0 itself."""
+    h1 = cluster.host("h1")
+    procs = []
+    for rank, host in enumerate(("h1", "h2")):
+        env = clean_env({"HORA_RANK": str(rank), "HORA_SIZE": "2", "HORA_LOCAL_RANK": "0", "HORA_LOCAL_SIZE": "1",
+                         "HORA_CROSS_RANK": str(rank), "HORA_CROSS_SIZE": "2", "HORA_CONTROLLER": "gloo",
+                         "HORA_RENDEZVOUS_ADDR": h1.addr, "HORA_RENDEZVOUS_PORT": "29511"})
+        procs.append(cluster.popen(host, [sys.executable, "-m", "hora.runner.check"], env=env, cwd=str(REPO),
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, (p, out) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, f"rank {rank}:\n{out[-2000:]}"
+        assert "allreduce ok, hosts h1,h2" in out, out[-2000:]
