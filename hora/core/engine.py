@@ -359,7 +359,9 @@ class Engine:
             self._joined_ranks.clear()
 
         members = {pid: ps.ranks for pid, ps in self.process_sets.items()}
-        ready = resolve(cache, totals, announcements, self._joined_ranks, members, self.size)
+        ready = self._only_cached_ready(totals, signatures, members) if announcements is None else None
+        if ready is None:
+            ready = resolve(cache, totals, announcements, self._joined_ranks, members, self.size)
         self._last_progress = bool(ready)
         self._execute(ready)
 
@@ -371,6 +373,25 @@ class Engine:
                 handle.set_result(last)
             self._last_progress = True
         return True
+
+    def _only_cached_ready(self, totals: np.ndarray, signatures: dict[str, bytes],
+                           members: dict[int, Sequence[int]]) -> list[Ready] | None:
+        """The steady state of a synchronous loop, without :func:`resolve`.
+
+        One request pending here, already validated under a cached id, ready
+        on every member and nothing else marked anywhere: its cached Ready is
+        the whole answer (exactly what ``resolve`` would return).  None
+        otherwise.
+        """
+        if len(signatures) != 1 or totals[SLOT_JOINED] or self._joined_ranks:
+            return None
+        entry = self._cache.by_name.get(next(iter(signatures)))
+        if entry is None or entry.ready is None:
+            return None
+        counts = totals[HEADER:]
+        if counts[entry.id] != len(members.get(entry.process_set, ())) or np.count_nonzero(counts) != 1:
+            return None
+        return [entry.ready]
 
     def _execute(self, ready: Sequence[Ready]) -> None:
         items: list[tuple[Ready, Request | None]] = []

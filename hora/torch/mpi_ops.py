@@ -209,7 +209,11 @@ def allreduce(tensor, average=None, name=None, compression=None, op=None, presca
     compression = compression or Compression.none
     compressed, ctx = compression.compress(tensor)
     op = _resolve_op(average, op)
-    out = HoraAllreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
+    if torch.is_grad_enabled() and compressed.requires_grad:
+        out = HoraAllreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
+    else:  # nothing to differentiate: skip the autograd node, which costs as much as a small collective
+        out = _now(allreduce_async, compressed, name=name, op=op, prescale_factor=prescale_factor,
+                   postscale_factor=postscale_factor, process_set=process_set)
     return compression.decompress(out, ctx)
 
 

@@ -221,6 +221,18 @@ def test_error_shape_mismatch():
     assert isinstance(err, RuntimeError)  # Horovod scripts catch RuntimeError
 
 
+def test_steady_state_then_changed_shape_on_one_rank():
+    """A name reused in a loop runs on its cached id; a later shape change on one rank is still caught."""
+    t = torch.full((8,), float(hvd.rank() + 1))
+    for i in range(50):
+        out = hvd.allreduce(t * (i + 1), op=hvd.Sum, name="steady")
+        assert torch.equal(out, torch.full((8,), float(sum(range(1, hvd.size() + 1)) * (i + 1))))
+    shape = 8 if hvd.rank() == 0 else 9
+    _expect_mismatch(lambda: hvd.allreduce(torch.ones(shape), name="steady"), "steady", "shape")
+    out = hvd.allreduce(torch.ones(8), op=hvd.Sum, name="steady")  # the engine is still usable afterwards
+    assert torch.equal(out, torch.full((8,), float(hvd.size())))
+
+
 def test_error_dtype_mismatch():
     dtype = torch.float32 if hvd.rank() == 0 else torch.int32
     _expect_mismatch(lambda: hvd.allreduce(torch.ones(3, dtype=dtype), name="bad.dtype"), "dtype", "float32",
