@@ -256,6 +256,13 @@ class PSConfig:
         server_threads: threads a server uses to work on keys concurrently.
         test_drop_reply_every: testing aid: a server drops every Nth reply it
             would send (0: never), to exercise resends.
+        shm: let co-located peers (same host, same user) pass payloads through
+            shared memory instead of the socket (``HORA_PS_SHM``; 0 forces the
+            socket path).
+        shm_min_bytes: smaller shards always travel through the socket
+            (``HORA_PS_SHM_MIN_BYTES``).
+        server_index: the launcher's index of this server (``HORA_PS_SERVER_INDEX``);
+            the scheduler uses it as the server id when the indices are 0..S-1.
     """
 
     role: str = "worker"
@@ -275,6 +282,9 @@ class PSConfig:
     start_timeout_s: float = 120.0
     server_threads: int = 0
     test_drop_reply_every: int = 0
+    shm: bool = True
+    shm_min_bytes: int = 256 * 1024
+    server_index: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in PS_ROLES:
@@ -307,6 +317,9 @@ class PSConfig:
             )
         if self.server_threads < 0 or self.test_drop_reply_every < 0:
             raise ConfigError("HORA_PS_SERVER_THREADS and HORA_PS_TEST_DROP_REPLY_EVERY must be >= 0")
+        if self.shm_min_bytes < 0 or (self.server_index is not None and self.server_index < 0):
+            raise ConfigError(f"HORA_PS_SHM_MIN_BYTES={self.shm_min_bytes} and HORA_PS_SERVER_INDEX="
+                              f"{self.server_index} must be >= 0")
 
     def require_job(self) -> None:
         """Check that the knobs every role needs are present.
@@ -351,6 +364,9 @@ class PSConfig:
             start_timeout_s=_as_float(env, ("HORA_PS_START_TIMEOUT",), 120.0),
             server_threads=_as_int(env, ("HORA_PS_SERVER_THREADS",), 0),
             test_drop_reply_every=_as_int(env, ("HORA_PS_TEST_DROP_REPLY_EVERY",), 0),
+            shm=_as_bool(env, ("HORA_PS_SHM",), True),
+            shm_min_bytes=_as_int(env, ("HORA_PS_SHM_MIN_BYTES",), 256 * 1024),
+            server_index=opt_int("HORA_PS_SERVER_INDEX"),
         )
         values.update(overrides)
         return cls(**values)

@@ -22,6 +22,12 @@ Semantics (MXNet's, with the differences noted):
 * An error a server reports for a push is raised by the next ``pull`` of that
   key, ``barrier`` or push.  A lost node raises
   :class:`~hora.errors.PeerLostError` from every pending and later call.
+
+Transport: with a server on the same host (and user), a shard of at least
+``HORA_PS_SHM_MIN_BYTES`` travels through shared memory: a push is copied
+(summed) once, into a segment the server reads, and a pull copies straight
+out of the server's segment into ``out`` (:mod:`hora.kvstore.ps.shm`).
+Otherwise it travels through the socket, in parts of ``HORA_PS_PART_BYTES``.
 """
 
 from __future__ import annotations
@@ -40,8 +46,9 @@ from hora.config import PSConfig
 from hora.errors import ConfigError, PSError
 from hora.kvstore.base import Array, KVStore
 from hora.kvstore.ps import states as ps_states
-from hora.kvstore.ps.client import SCHEDULER, Client, Pending
+from hora.kvstore.ps.client import SCHEDULER, Client, Pending, PushBuffer
 from hora.kvstore.ps.placement import Shard, parts, place
+from hora.kvstore.ps.shm import ShmError
 from hora.kvstore.ps.wire import DTYPES, Cmd
 
 log = logging.getLogger(__name__)
@@ -144,6 +151,11 @@ class DistKVStore(KVStore):
             for key, host in zip(keys, hosts, strict=True):
                 flat = np.ascontiguousarray(host).reshape(-1)
                 for s in self._keys[key].shards:
+                    buf = client.push_buffer(s.server, key, s.size, flat.dtype)
+                    if buf is not None:
+                        np.copyto(buf.array, flat[s.lo:s.hi])
+                        pending.append(self._send_shared(buf, s.server, Cmd.INIT, {"k": key, "off": 0, "n": s.size}))
+                        continue
                     for off, length in parts(s.size, flat.itemsize, self._part_bytes):
                         pending.append(client.request(s.server, Cmd.INIT, {"k": key, "off": off, "n": s.size},
                                                       (flat[s.lo + off:s.lo + off + length],)))
@@ -160,11 +172,29 @@ class DistKVStore(KVStore):
                               "kv.set_optimizer(...) first (MXNet's server aborts here)")
         for key, vals in zip(keys, values, strict=True):
             info = self._info(key)
-            flat = self._summed(key, vals, info)
+            self._check_values(key, vals, info)
             with self._lock:
                 seq = self._seq[key] = self._seq.get(key, 0) + 1
             compress = self._compressor is not None and info.dtype == np.float32
+            flat: np.ndarray | None = None  # the summed values in a private array (the socket path sends it)
+            source: np.ndarray | None = None  # the summed values, possibly the caller's own array
             for s in info.shards:
+                buf = None if compress else client.push_buffer(s.server, key, s.size, info.dtype)
+                if buf is not None:  # shared memory: sum straight into the segment the server reads
+                    try:
+                        if source is None:
+                            source = _host(vals[0]).reshape(-1) if len(vals) == 1 else self._summed(key, vals, info)
+                        np.copyto(buf.array, source[s.lo:s.hi])
+                    except BaseException:
+                        buf.hold(None)
+                        raise
+                    p = self._send_shared(buf, s.server, Cmd.PUSH, {"k": key, "seq": seq, "off": 0, "n": s.size,
+                                                                    "z": -1})
+                    with self._lock:
+                        self._inflight.append((key, p))
+                    continue
+                if flat is None:
+                    flat = self._summed(key, vals, info)  # a private copy: the caller may reuse its arrays
                 for off, length in parts(s.size, flat.itemsize, self._part_bytes):
                     data, z = flat[s.lo + off:s.lo + off + length], -1
                     if compress:
@@ -186,20 +216,42 @@ class DistKVStore(KVStore):
                                       f"{info.shape}")
             after = self._seq.get(key, 0)
             for s in info.shards:
+                if client.shm_usable(s.server, s.size * info.dtype.itemsize):
+                    p = client.request(s.server, Cmd.PULL, {"k": key, "after": after, "off": 0, "len": s.size,
+                                                            "n": s.size, "m": True})
+                    requests.append((key, key_outs, s, 0, s.size, after, p))
+                    continue
                 for off, length in parts(s.size, info.dtype.itemsize, self._part_bytes):
                     p = client.request(s.server, Cmd.PULL, {"k": key, "after": after, "off": off, "len": length,
                                                             "n": s.size})
-                    requests.append((key, key_outs, s.lo + off, length, p))
+                    requests.append((key, key_outs, s, off, length, after, p))
         staged: dict[int, np.ndarray] = {}
-        for key, key_outs, start, length, p in requests:
-            info = self._keys[key]
-            arrays = p.wait().arrays
-            value = arrays[0] if arrays else None
-            if value is None or value.size != length or value.dtype != info.dtype:
-                raise PSError(f"pull of key {key!r}: the server returned {None if value is None else value.dtype}"
-                              f"[{None if value is None else value.size}], expected {info.dtype}[{length}]")
-            for out in key_outs:
-                self._write(out, value, start, info, staged)
+        done = 0
+        try:
+            for key, key_outs, s, off, length, after, p in requests:
+                info = self._keys[key]
+                msg = p.wait()
+                done += 1
+                if msg.header.get("m") is None:
+                    value = msg.arrays[0] if msg.arrays else None
+                    self._check_pulled(key, value, info, length)
+                    for out in key_outs:
+                        self._write(out, value, s.lo + off, info, staged)
+                    continue
+                try:  # the values wait in the server's shared memory: copy them out, then release them
+                    try:
+                        value = client.shared_view(s.server, key, msg, info.dtype, length)
+                    except ShmError as e:
+                        log.warning("pull of key %r: cannot read the server's shared memory (%s); pulling through "
+                                    "the socket", key, e)
+                        value = self._pull_socket(key, s, after)
+                    for out in key_outs:
+                        self._write(out, value, s.lo + off, info, staged)
+                finally:
+                    client.release(s.server, msg)
+        except BaseException:
+            self._release_unread(requests[done:])
+            raise
         for key_outs in outs:
             for out in key_outs:
                 if id(out) in staged:
@@ -352,12 +404,53 @@ class DistKVStore(KVStore):
             raise ConfigError(f"key {key!r} was not initialised: call init() for it on every worker first")
         return info
 
-    def _summed(self, key: str, values: Sequence[Array], info: _KeyInfo) -> np.ndarray:
-        """The sum of a key's pushed values as a fresh flat host array (the caller may reuse its arrays)."""
+    def _send_shared(self, buf: PushBuffer, dst: int, cmd: Cmd, fields: dict[str, Any]) -> Pending:
+        """Send an init or push whose values are in ``buf`` (a shared-memory segment), keeping it busy until
+        the server answers."""
+        try:
+            p = self._client.request(dst, cmd, {**fields, "m": buf.ref()})
+        except BaseException:
+            buf.hold(None)
+            raise
+        buf.hold(p)
+        return p
+
+    def _release_unread(self, requests: list) -> None:
+        """A pull failed part-way: let the servers reuse the buffers of shared-memory answers already here."""
+        for *_, p in requests:
+            if p.done() and p.reply is not None and p.reply.header.get("m") is not None:
+                self._client.release(p.dst, p.reply)
+
+    def _pull_socket(self, key: str, s: Shard, after: int) -> np.ndarray:
+        """A whole shard pulled through the socket (when its shared-memory reply could not be read)."""
+        info = self._keys[key]
+        out = np.empty(s.size, info.dtype)
+        pending = [(off, length, self._client.request(s.server, Cmd.PULL, {"k": key, "after": after, "off": off,
+                                                                           "len": length, "n": s.size}))
+                   for off, length in parts(s.size, info.dtype.itemsize, self._part_bytes)]
+        for off, length, p in pending:
+            msg = p.wait()
+            value = msg.arrays[0] if msg.arrays else None
+            self._check_pulled(key, value, info, length)
+            out[off:off + length] = value
+        return out
+
+    @staticmethod
+    def _check_pulled(key: str, value: np.ndarray | None, info: _KeyInfo, length: int) -> None:
+        if value is None or value.size != length or value.dtype != info.dtype:
+            raise PSError(f"pull of key {key!r}: the server returned {None if value is None else value.dtype}"
+                          f"[{None if value is None else value.size}], expected {info.dtype}[{length}]")
+
+    @staticmethod
+    def _check_values(key: str, values: Sequence[Array], info: _KeyInfo) -> None:
         for v in values:
             if _dtype(v) != info.dtype.name or int(np.prod(v.shape)) != info.numel:
                 raise ConfigError(f"push of key {key!r}: got {_dtype(v)}{list(v.shape)} but the key was "
                                   f"initialised as {info.dtype.name}{list(info.shape)}")
+
+    def _summed(self, key: str, values: Sequence[Array], info: _KeyInfo) -> np.ndarray:
+        """The sum of a key's pushed values as a fresh flat host array (the caller may reuse its arrays)."""
+        self._check_values(key, values, info)
         if self.type == "dist_device_sync" and len(values) > 1 and all(_is_torch(v) for v in values):
             acc = values[0].detach().clone()
             for v in values[1:]:
@@ -385,6 +478,11 @@ def _copy_into(dst: Array, src: np.ndarray) -> None:
     if _is_torch(dst):
         import torch
 
+        if dst.device.type == "cpu" and not dst.requires_grad and _dtype(dst) == src.dtype.name:
+            np.copyto(dst.detach().numpy(), src)  # (src may be a read-only view of a server's shared memory)
+            return
+        if not src.flags.writeable:
+            src = src.copy()  # torch warns about read-only arrays; a device copy needs a host copy anyway
         dst.copy_(torch.from_numpy(src))
     else:
         dst[...] = src

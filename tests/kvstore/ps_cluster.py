@@ -64,32 +64,51 @@ class Cluster:
         self.servers: list[subprocess.Popen] = []
 
     # --- starting ---------------------------------------------------------------------------------
-    def _start(self, name: str, args: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen:
+    def _start(self, name: str, args: Sequence[str], env: Mapping[str, str],
+               wrap: Sequence[str] = ()) -> subprocess.Popen:
         out = open(self.dir / f"{name}.out", "w")
         err = open(self.dir / f"{name}.err", "w")
-        proc = subprocess.Popen([sys.executable, *args], env={**self.env, **env}, cwd=ROOT, stdout=out, stderr=err,
-                                start_new_session=True)
+        proc = subprocess.Popen([*wrap, sys.executable, *args], env={**self.env, **env}, cwd=ROOT, stdout=out,
+                                stderr=err, start_new_session=True)
         out.close()
         err.close()
         self.procs.append((name, proc))
         return proc
 
     def start_roles(self, scheduler_env: Mapping[str, str] | None = None,
-                    server_env: Mapping[str, str] | None = None) -> Cluster:
-        """Start the scheduler and the servers."""
+                    server_env: Mapping[str, str] | None = None, server_index: Sequence[int] | None = None) -> Cluster:
+        """Start the scheduler and the servers (the i-th with ``HORA_PS_SERVER_INDEX=server_index[i]`` when
+        given, as the launcher sets it)."""
         self.scheduler = self._start("scheduler", ["-m", "hora.kvstore.ps.node"],
                                      {"DMLC_ROLE": "scheduler", **(scheduler_env or {})})
         for i in range(self.num_servers):
+            index = {} if server_index is None else {"HORA_PS_SERVER_INDEX": str(server_index[i])}
             self.servers.append(self._start(f"server{i}", ["-m", "hora.kvstore.ps.node"],
-                                            {"DMLC_ROLE": "server", **(server_env or {})}))
+                                            {"DMLC_ROLE": "server", **index, **(server_env or {})}))
         return self
 
+    @property
+    def shm_token(self) -> str:
+        """The job part of this job's shared-memory segment names."""
+        from hora.kvstore.ps import shm
+
+        secret = self.env["HORA_SECRET"].encode()
+        return shm.job_token(secret, f"tcp://127.0.0.1:{self.env['DMLC_PS_ROOT_PORT']}")
+
+    def segments(self) -> list[str]:
+        """This job's shared-memory segment names in /dev/shm now."""
+        from hora.kvstore.ps import shm
+
+        prefix = f"{shm.PREFIX}{self.shm_token}-"
+        return sorted(n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefix))
+
     def start_worker(self, scenario: str, *args: str, rank: int | None = None,
-                     env: Mapping[str, str] | None = None) -> subprocess.Popen:
-        """Start ``ps_workers.py SCENARIO ARGS`` as a worker (asking for ``rank`` when given)."""
+                     env: Mapping[str, str] | None = None, wrap: Sequence[str] = ()) -> subprocess.Popen:
+        """Start ``ps_workers.py SCENARIO ARGS`` as a worker (asking for ``rank`` when given), under the
+        command ``wrap`` when given (such as ``unshare``)."""
         extra = {"DMLC_ROLE": "worker", **({"HORA_RANK": str(rank)} if rank is not None else {}), **(env or {})}
         index = sum(name.startswith("worker") for name, _ in self.procs)
-        return self._start(f"worker{index}", [str(WORKERS), scenario, *args], extra)
+        return self._start(f"worker{index}", [str(WORKERS), scenario, *args], extra, wrap)
 
     # --- waiting ----------------------------------------------------------------------------------
     def finish(self, proc: subprocess.Popen, timeout: float) -> Finished:

@@ -8,13 +8,16 @@ whose header is garbage, has an unknown command, wrong field types, a bad
 dtype or shape, a size that does not match its frame, or a sender that is
 not the connection's worker.  Through its own connection it also sends
 well-formed requests the server must refuse (wrong dtype or size, unknown
-key, a compressed push without compression, bad optimizer specs).  Then it
-pulls every key: each must still hold exactly its stored value, and a normal
-push/pull round must work.
+key, a compressed push without compression, bad optimizer specs), and
+shared-memory pushes whose header names a segment that is missing, not this
+job's, outside ``/dev/shm``, readable by others, or a range outside or
+misaligned in a real segment.  Then it pulls every key: each must still hold
+exactly its stored value, and a normal push/pull round must work.
 """
 
 from __future__ import annotations
 
+import os
 import random
 
 import msgpack
@@ -23,7 +26,7 @@ import zmq
 
 import hora.kvstore as kvs
 from hora.errors import PSError
-from hora.kvstore.ps import wire
+from hora.kvstore.ps import shm, wire
 from hora.kvstore.ps.client import SCHEDULER
 from hora.kvstore.ps.wire import Cmd
 
@@ -92,7 +95,48 @@ def bad_messages(key: bytes, me: str, server: str, rng: random.Random) -> list[l
                              "spec": {"type": "sgd"}}))
     # signed with another secret
     out.append(_signed(b"not the job secret", push, (np.ones(12, np.float32),)))
+    # shared-memory references: malformed, with a payload frame as well, or from a connection not the worker's
+    fake = f"hora-ps-{'0' * 12}-1-1-{rng.randbytes(8).hex()}"
+    for ref in (5, "seg", {"name": fake}, True, [fake, 0, 12, "float32"], [1, 0, 12, "float32"],
+                [fake, -1, 12, "float32"], [fake, 0, 12, "object"], [fake, 0, 12], [fake, True, 12, "float32"],
+                ["../../etc/passwd", 0, 12, "float32"], [fake, 0, 2**63, "float32"]):
+        out.append(_signed(key, {**push, "m": ref}))
+    out.append(_signed(key, {**push, "m": [fake, 0, 12, "float32"]}, (np.ones(12, np.float32),)))
+    out.append(_signed(key, {**push, "c": int(Cmd.PULL), "after": 0, "len": 12, "m": "yes"}))
+    out.append(_signed(key, {"c": int(Cmd.RELEASE), "s": me, "d": server, "r": [1, 2, 3]}))
+    out.append(_signed(key, {"c": int(Cmd.RELEASE), "s": me, "d": server, "r": "all"}))
+    out.append(_signed(key, {"c": int(Cmd.SHM_HELLO), "s": me, "d": server, "i": 9, "a": 0, "who": "x",
+                             "probe": fake, "nonce": "00" * 16}))
     return out
+
+
+def _shm_refusals(client) -> int:
+    """Shared-memory pushes on the worker's own connection that name bad ranges: each is refused."""
+    assert client.shm_ok == [True], client.shm_ok  # this one-host job shares memory
+    seg = shm.Segment.create(client.shm_token, 48)  # room for the 12 float32 of key f32
+    seg.array(np.dtype(np.float32), 12)[:] = 1000.0  # would show in the values if any push were applied
+    other = shm.Segment.create("0123456789ab", 48)  # a segment of another job
+    loose = shm.Segment.create(client.shm_token, 48)
+    os.chmod(f"{shm.SHM_DIR}/{loose.name}", 0o644)
+    part = {"k": "f32", "seq": 1, "off": 0, "n": 12, "z": -1}
+    missing = seg.name[:-4] + ("0000" if not seg.name.endswith("0000") else "1111")
+    refs = {
+        "a shared-memory push naming a missing segment": [missing, 0, 12, "float32"],
+        "a shared-memory push naming another job's segment": [other.name, 0, 12, "float32"],
+        "a shared-memory push naming a file outside the job's segments": ["../../etc/passwd", 0, 12, "float32"],
+        "a shared-memory push naming a segment others can read": [loose.name, 0, 12, "float32"],
+        "a shared-memory push past the end of its segment": [seg.name, 8, 12, "float32"],
+        "a shared-memory push at a misaligned offset": [seg.name, 2, 11, "float32"],
+        "a shared-memory push of the wrong dtype": [seg.name, 0, 6, "float64"],
+        "a malformed shared-memory reference": [seg.name, 0, 12],
+    }
+    refused = 0
+    for what, ref in refs.items():
+        refused += _refused(what, lambda ref=ref: client.call(0, Cmd.PUSH, {**part, "m": ref}))
+    for s in (seg, other, loose):
+        s.unlink()
+        s.close()
+    return refused
 
 
 def _refused(what: str, fn) -> int:
@@ -145,6 +189,7 @@ def fuzz(rounds: str) -> None:
     refused += _refused("an unknown compression", lambda: client.call(
         0, Cmd.SET_COMPRESSION, {"spec": {"type": "1bit"}}))
     refused += _refused("states without an optimizer", lambda: client.call(0, Cmd.GET_STATES, {}))
+    refused += _shm_refusals(client)
 
     # every value is what init stored, and the server still works
     checked = 0

@@ -300,6 +300,42 @@ def leave_early() -> None:
     kv.close()
 
 
+def shm_hold() -> None:
+    """Hold named shared-memory segments until the job fails: the server's value of a key nobody pulled
+    yet, and a push buffer on every worker that is never sent (the test kills a role meanwhile)."""
+    kv = kvs.create("dist_sync")
+    n = 1 << 16
+    kv.init("k", np.zeros(n, np.float32))
+    client = kv._client
+    assert client.shm_ok == [True] * kv.num_servers, client.shm_ok
+    held = client.push_buffer(0, "held", n, np.float32)
+    assert held is not None
+    print("READY", flush=True)
+    t0 = time.monotonic()
+    try:
+        while time.monotonic() - t0 < 60:
+            kv.barrier()
+            time.sleep(0.05)
+        print("NO ERROR", flush=True)
+    except HoraError as e:
+        print(f"RAISED {type(e).__name__}: {e}", flush=True)
+    kv.close()
+
+
+def shm_status() -> None:
+    """Print which servers share memory with this worker, then run one exact round on a big key."""
+    kv = kvs.create("dist_sync")
+    print("SHM", " ".join(str(int(ok)) for ok in kv._client.shm_ok), flush=True)
+    n = 300_000
+    kv.init("big", np.zeros(n, np.float32))
+    kv.push("big", np.arange(n, dtype=np.float32) * (kv.rank + 1))
+    out = np.empty(n, np.float32)
+    kv.pull("big", out=out)
+    np.testing.assert_array_equal(out, np.arange(n, dtype=np.float32) * sum(range(1, kv.num_workers + 1)))
+    kv.close()
+    print("CHECKED 1", flush=True)
+
+
 def join_only() -> None:
     """Try to join; print what creating the store raised."""
     t0 = time.monotonic()

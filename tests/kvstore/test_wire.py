@@ -145,3 +145,29 @@ def test_reject_is_recognised_only_in_its_own_shape():
     assert wire.peek_reject([b"\xc1", b""]) is None
     assert wire.peek_cmd(frames_of()) == Cmd.PUSH
     assert wire.peek_cmd([b"garbage"]) is None
+
+
+def test_shared_memory_reference_replaces_the_payload_frame():
+    ref = ["hora-ps-segment", 0, 6, "float32"]
+    msg = wire.decode(frames_of({**PUSH, "m": ref}, ()), KEY)
+    assert msg.arrays == [] and msg["m"] == ref
+    reply = wire.decode(frames_of({"c": int(Cmd.REPLY), "s": "s0", "d": "w0", "i": 1, "e": "", "m": ref}, ()), KEY)
+    assert reply.arrays == [] and reply["m"] == ref
+    with pytest.raises(WireError, match="expected 0"):  # a reference and a payload frame
+        wire.decode(frames_of({**PUSH, "m": ref}), KEY)
+    with pytest.raises(WireError, match="expected 1"):  # neither
+        wire.decode(frames_of(PUSH, ()), KEY)
+
+
+@pytest.mark.parametrize("header,match", [
+    ({**PUSH, "m": 5}, "'m' should be list"),
+    ({**PUSH, "m": "segment"}, "'m' should be list"),
+    ({"c": int(Cmd.PULL), "s": "w0", "d": "s0", "i": 1, "a": 1, "k": "x", "after": 0, "off": 0, "len": 2, "n": 2,
+      "m": "yes"}, "'m' should be bool"),
+    ({"c": int(Cmd.RELEASE), "s": "w0", "d": "s0", "r": 3}, "'r' should be list"),
+    ({"c": int(Cmd.RELEASE), "s": "w0", "d": "s0"}, "missing field 'r'"),
+])
+def test_optional_and_shared_memory_fields_are_typed(header, match):
+    arrays = (SIX,) if header.get("c") == Cmd.PUSH else ()
+    with pytest.raises(WireError, match=match):
+        wire.decode(frames_of(header, arrays), KEY)

@@ -2,6 +2,8 @@
 
 * :mod:`~hora.kvstore.ps.wire`: the message format (msgpack header, raw array
   frames, HMAC-SHA256 keyed by the job secret).
+* :mod:`~hora.kvstore.ps.shm`: the shared-memory data path between peers on
+  one host (headers still signed; payloads skip the socket and the hashing).
 * :mod:`~hora.kvstore.ps.scheduler`: membership, barriers, failure detection.
 * :mod:`~hora.kvstore.ps.server` and :mod:`~hora.kvstore.ps.keys`: a server
   and its per-key state machines.

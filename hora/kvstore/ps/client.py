@@ -7,6 +7,13 @@ them; the thread sends them, matches replies to requests by id, resends
 requests that stay unanswered (after ``HORA_PS_RESEND_TIMEOUT_MS``, doubling
 each time, plus time for the bytes to travel), heartbeats the scheduler, and
 fails every pending and later request with a clear error when a node is lost.
+
+With a co-located server that passed the shared-memory handshake
+(:mod:`hora.kvstore.ps.shm`), large pushes are written into segments of this
+worker (at most two per key and server, each reused once its push was
+answered), and pull replies name a range of a server segment, which the
+caller copies out and then releases (the network thread batches the
+``RELEASE`` messages).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import zmq
 
 from hora.config import PSConfig
 from hora.errors import HoraError, PeerLostError, PSError
-from hora.kvstore.ps import wire
+from hora.kvstore.ps import shm, wire
 from hora.kvstore.ps.link import SCHEDULER_ID, SchedulerLink, lost_error
 from hora.kvstore.ps.net import DropLog, Wakeup, job_key, make_socket, send
 from hora.kvstore.ps.wire import Cmd, Message, WireError
@@ -34,6 +41,7 @@ log = logging.getLogger(__name__)
 SCHEDULER = -1  # ``dst`` of requests to the scheduler; servers are 0..S-1
 _BYTES_PER_S = 100e6  # resend allowance for the time a large request spends on the wire
 _INLINE_BYTES = 64 * 1024  # smaller replies are verified on the network thread itself
+_PUSH_BUFFERS = 2  # shared-memory push segments per key and server: one in flight while the next is filled
 
 
 class Pending:
@@ -60,6 +68,28 @@ class Pending:
         if self.error is not None:
             raise copy.copy(self.error)
         return self.reply  # type: ignore[return-value]
+
+
+class PushBuffer:
+    """A shared-memory segment this worker pushes a key's shard through; busy until the push is answered."""
+
+    __slots__ = ("segment", "array", "pending", "reserved")
+
+    def __init__(self, segment: shm.Segment, array: np.ndarray) -> None:
+        self.segment, self.array = segment, array
+        self.pending: Pending | None = None
+        self.reserved = True
+
+    def free(self) -> bool:
+        return not self.reserved and (self.pending is None or self.pending.done())
+
+    def ref(self) -> list[Any]:
+        """The header's ``m`` field naming the whole buffer."""
+        return shm.make_ref(self.segment, 0, self.array.size, self.array.dtype)
+
+    def hold(self, pending: Pending | None) -> None:
+        """Mark the buffer busy until ``pending`` is answered (None: it was not sent after all)."""
+        self.pending, self.reserved = pending, False
 
 
 class Client:
@@ -100,13 +130,120 @@ class Client:
         self._stop = False
         self._closed = False
         self.drops = DropLog(f"worker {self.rank}")
+        self.shm_token = shm.job_token(self.key, self.link.endpoint)
+        self.shm_ok = [False] * len(self.servers)  # per server: shares memory with this worker
+        self.mapped = shm.Mappings(self.shm_token)  # the servers' value segments
+        self._push_buffers: dict[tuple[int, str], list[PushBuffer]] = {}
+        self._shm_push_off = False  # set when a segment could not be created
+        self._releases: dict[int, list[int]] = {}  # server -> ids of pulls whose shared-memory replies were read
         self._thread = threading.Thread(target=self._loop, name=f"hora-ps-worker-{self.rank}", daemon=True)
         self._thread.start()
         self._started = True
+        if config.shm and shm.available():
+            self._shm_handshake()
 
     @property
     def num_servers(self) -> int:
         return len(self.servers)
+
+    # --- shared memory ------------------------------------------------------------------------------
+    def _shm_handshake(self) -> None:
+        """Ask every server whether it shares memory with this worker; see :mod:`hora.kvstore.ps.shm`."""
+        shm.reap()  # segments of earlier jobs on this host whose processes were all killed
+        try:
+            probe, nonce = shm.make_probe(self.shm_token)
+        except OSError as e:
+            log.info("worker %d: no shared memory (%s); every payload goes through the socket", self.rank, e)
+            return
+        try:
+            fields = {"who": shm.identity(), "probe": probe.name, "nonce": nonce.hex()}
+            pending = [self.request(j, Cmd.SHM_HELLO, fields) for j in range(self.num_servers)]
+            for j, p in enumerate(pending):
+                try:
+                    h = p.wait().header
+                except HoraError as e:
+                    log.debug("worker %d: shared-memory handshake with server %d failed: %s", self.rank, j, e)
+                    continue
+                if h.get("ok") is not True:
+                    log.debug("worker %d: server %d keeps the socket path: %s", self.rank, j, h.get("why"))
+                    continue
+                try:
+                    shm.check_probe(self.shm_token, h.get("probe"), h.get("nonce"))
+                    self.shm_ok[j] = True
+                except shm.ShmError as e:
+                    log.debug("worker %d: server %d keeps the socket path: %s", self.rank, j, e)
+                finally:
+                    shm.remove(self.shm_token, h.get("probe"))
+        finally:
+            probe.unlink()
+            probe.close()
+        if any(self.shm_ok):
+            shm.raise_fd_limit()
+            log.debug("worker %d shares memory with servers %s", self.rank,
+                      [j for j, ok in enumerate(self.shm_ok) if ok])
+
+    def shm_usable(self, dst: int, nbytes: int) -> bool:
+        """Whether ``nbytes`` to or from server ``dst`` should travel through shared memory."""
+        return self.shm_ok[dst] and nbytes >= self.config.shm_min_bytes
+
+    def push_buffer(self, dst: int, key: str, count: int, dtype: np.dtype) -> PushBuffer | None:
+        """A free shared-memory buffer for ``count`` elements of ``key`` to server ``dst``, reserved for the
+        caller (who fills it, sends the request and calls :meth:`PushBuffer.hold`); None when this push
+        must go through the socket (no shared memory with that server, too small, or both buffers busy)."""
+        dtype = np.dtype(dtype)
+        if self._shm_push_off or not self.shm_usable(dst, count * dtype.itemsize):
+            return None
+        with self._lock:
+            pool = self._push_buffers.setdefault((dst, key), [])
+            stale = [b for b in pool if b.array.size != count or b.array.dtype != dtype]
+            if stale:  # the key was initialised again with another shape
+                pool[:] = [b for b in pool if b not in stale]
+            for b in pool:
+                if b.free():
+                    b.reserved = True
+                    return b
+            if len(pool) >= _PUSH_BUFFERS:
+                return None
+        for b in stale:
+            b.segment.unlink()
+            b.segment.close()
+        try:
+            seg = shm.Segment.create(self.shm_token, count * dtype.itemsize)
+        except OSError as e:
+            log.warning("worker %d: cannot create a shared-memory segment of %d bytes (%s); from now on this worker "
+                        "pushes through the socket (is /dev/shm full or small?)", self.rank, count * dtype.itemsize, e)
+            self._shm_push_off = True
+            return None
+        buf = PushBuffer(seg, seg.array(dtype, count))
+        with self._lock:
+            self._push_buffers[(dst, key)].append(buf)
+        return buf
+
+    def shared_view(self, dst: int, key: str, msg: Message, dtype: np.dtype, count: int) -> np.ndarray:
+        """The values a shared-memory pull reply of server ``dst`` names (read-only; release the reply
+        with :meth:`release` once copied out).
+
+        Raises:
+            shm.ShmError: the reference is bad, or its dtype or size is not what was asked for.
+        """
+        view, _, _, _ = self.mapped.view((dst, key), msg.header.get("m"))
+        if view.dtype != dtype or view.size != count:
+            raise shm.ShmError(f"the reply names {view.dtype}[{view.size}], expected {dtype}[{count}]")
+        return view
+
+    def release(self, dst: int, msg: Message) -> None:
+        """Tell server ``dst`` (soon, batched) that this worker is done reading a shared-memory reply."""
+        with self._lock:
+            self._releases.setdefault(dst, []).append(msg["i"])
+        self._wake.set()
+
+    def _send_releases(self) -> None:
+        with self._lock:
+            releases, self._releases = self._releases, {}
+        for dst, rids in releases.items():
+            for i in range(0, len(rids), 1024):
+                header = {"c": int(Cmd.RELEASE), "s": self.id, "d": f"s{dst}", "r": rids[i:i + 1024]}
+                send(self.servers[dst], wire.encode(header, (), self.key))
 
     def node_name(self, node_id: str) -> str:
         return self.nodes.get(node_id, node_id)
@@ -163,6 +300,13 @@ class Client:
         else:
             self.ctx.term()
         self._wake.close()
+        with self._lock:
+            buffers = [b for pool in self._push_buffers.values() for b in pool]
+            self._push_buffers.clear()
+        for b in buffers:
+            b.segment.unlink()
+        self.mapped.close()
+        shm.cleanup(self.shm_token)
 
     # --- the network thread ---------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -187,6 +331,8 @@ class Client:
                             self._on_server(j, sock.recv_multipart(copy=False))
                 self._wake.clear()
                 now = time.monotonic()
+                if self._releases:
+                    self._send_releases()
                 while self._outq:
                     p = self._outq.popleft()
                     if self._pending.get(p.rid) is p:

@@ -26,6 +26,14 @@ from round to round, so a steady job allocates nothing):
 * **pull**: answered once the push it follows is applied, with a view of the
   stored value: no copy.  An in-place update that would race with a reply
   still being sent works on a fresh copy instead (copy-on-write).
+
+Between co-located peers (:mod:`hora.kvstore.ps.shm`) a push's array is a
+read-only view of the worker's segment: it is summed in place of a received
+frame, in chunks whose pages are then unmapped again, and copied only when it
+must wait for a later round (the worker reuses its segment once answered).
+The server's values and merge buffers then live in its own segments, and a
+pull is answered with a reference to the value's range; a token counts the
+pull as a reader of the buffer until the worker releases it.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -45,6 +54,7 @@ from hora.kvstore.ps.wire import Cmd
 
 if TYPE_CHECKING:
     from hora.kvstore.ps.server import Server
+    from hora.kvstore.ps.shm import Segment
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +64,34 @@ class Op:
 
     ``seq`` is the push number (PUSH) or the push a pull must follow (PULL);
     ``off``/``length`` the element range; ``n`` the shard size the sender expects.
+
+    ``held`` is the request's bytes counted in the server's backlog; ``src`` is
+    ``(segment, byte offset)`` when ``array`` is a view of a worker's
+    shared-memory segment; ``shm`` marks a pull that may be answered through
+    shared memory.
     """
 
-    __slots__ = ("cmd", "worker", "rid", "route", "key", "array", "seq", "off", "length", "n", "z")
+    __slots__ = ("cmd", "worker", "rid", "route", "key", "array", "seq", "off", "length", "n", "z", "held", "src",
+                 "shm")
 
     def __init__(self, cmd: Cmd, worker: int, rid: int, route: bytes, key: str, array: np.ndarray | None = None,
-                 seq: int = 0, off: int = 0, length: int = 0, n: int = 0, z: int = -1) -> None:
+                 seq: int = 0, off: int = 0, length: int = 0, n: int = 0, z: int = -1, held: int = 0,
+                 src: tuple[Segment, int] | None = None, shm: bool = False) -> None:
         self.cmd, self.worker, self.rid, self.route, self.key, self.array = cmd, worker, rid, route, key, array
         self.seq, self.off, self.length, self.n, self.z = seq, off, length, n, z
+        self.held, self.src, self.shm = held, src, shm
+
+    def drop_pages(self) -> None:
+        """Unmap the pages of a shared-memory array this op read (nothing for a received frame)."""
+        if self.src is not None and self.array is not None:
+            self.src[0].drop_pages(self.src[1], self.array.nbytes)
+
+    def detach(self) -> None:
+        """Own a private copy of a shared-memory array, so the worker may reuse its segment."""
+        if self.src is not None and self.array is not None:
+            array = self.array.copy()
+            self.drop_pages()
+            self.array, self.src = array, None
 
 
 class SendToken:
@@ -77,8 +107,25 @@ class SendToken:
         return not self.sent or (self.tracker is not None and not self.tracker.done)
 
 
-def settle(tokens: list[SendToken], timeout: float) -> bool:
-    """Wait (at most ``timeout`` seconds) until ZeroMQ is done with every reply in ``tokens``.
+class ShmToken:
+    """A pull answered through shared memory: the worker reads the buffer until it releases the pull."""
+
+    __slots__ = ("worker", "segment", "released")
+
+    def __init__(self, worker: int, segment: Segment) -> None:
+        self.worker, self.segment = worker, segment
+        self.released = False
+
+    def busy(self) -> bool:
+        return not self.released
+
+
+Token = SendToken | ShmToken
+
+
+def settle(tokens: list[Token], timeout: float) -> bool:
+    """Wait (at most ``timeout`` seconds) until ZeroMQ is done with every reply in ``tokens``, and every
+    worker with the shared-memory replies among them.
 
     ZeroMQ reports a sent message late (through pyzmq's garbage-collector
     thread), so a buffer whose replies went out a while ago can look busy;
@@ -86,15 +133,21 @@ def settle(tokens: list[SendToken], timeout: float) -> bool:
     """
     deadline = time.monotonic() + timeout
     for t in tokens:
-        while not t.sent:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.0005)
-        if t.tracker is not None and not t.tracker.done:
-            try:
-                t.tracker.wait(max(0.0, deadline - time.monotonic()))
-            except zmq.NotDone:
-                return False
+        if isinstance(t, SendToken):
+            while not t.sent:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.0005)
+            if t.tracker is not None and not t.tracker.done:
+                try:
+                    t.tracker.wait(max(0.0, deadline - time.monotonic()))
+                except zmq.NotDone:
+                    return False
+        else:
+            while t.busy():
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.0005)
     return True
 
 
@@ -118,9 +171,9 @@ class KeyState:
     def reset(self) -> None:
         """Forget everything but the value (a new INIT starts the key's rounds afresh)."""
         self.spare: np.ndarray | None = None  # a free buffer of the value's size, for the next merge
-        self.spare_tokens: list[SendToken] = []  # replies that may still read ``spare``
+        self.spare_tokens: list[Token] = []  # replies that may still read ``spare``
         self.digests: dict[tuple[int, int], bytes] = {}  # payload digests of value ranges already sent
-        self.tokens: list[SendToken] = []
+        self.tokens: list[Token] = []
         self.error = ""  # why the last round's update failed; pulls report it
         self.expected: dict[int, int] = {}  # sync: the push number of each worker in this round (default 1)
         self.got: dict[int, int] = {}  # sync: elements of each worker's current push merged so far
@@ -135,9 +188,43 @@ class KeyState:
         return any(t.busy() for t in self.tokens)
 
 
-def _owned(a: np.ndarray) -> np.ndarray:
-    """``a`` itself when the server may keep and write it (a writable, aligned received frame), else a copy."""
-    return a if a.flags.writeable and a.flags.aligned else a.copy()
+_CHUNK_BYTES = 8 * 1024 * 1024  # larger sums are cut into pieces this big, summed on several cores
+_math_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_math_lock = threading.Lock()
+
+
+def _math() -> concurrent.futures.ThreadPoolExecutor:
+    global _math_pool
+    with _math_lock:
+        if _math_pool is None:
+            _math_pool = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2,
+                                                               thread_name_prefix="hora-ps-sum")
+        return _math_pool
+
+
+def _combine(target: np.ndarray, grad: np.ndarray, op: Op, add: bool) -> None:
+    """``target += grad`` (or ``target[:] = grad``), in pieces on several cores when large (NumPy releases
+    the GIL).  A worker's shared-memory pages are unmapped as each piece is consumed, so that reading a push
+    does not grow this process's resident set by the push's size."""
+    shared = op.src if op.src is not None and grad is op.array else None
+    itemsize = grad.dtype.itemsize
+    step = max(1, _CHUNK_BYTES // itemsize)
+
+    def piece(lo: int) -> None:
+        hi = min(grad.size, lo + step)
+        t, g = target[lo:hi], grad[lo:hi]
+        if add:
+            np.add(t, g, out=t)
+        else:
+            np.copyto(t, g)
+        if shared is not None:
+            shared[0].drop_pages(shared[1] + lo * itemsize, (hi - lo) * itemsize)
+
+    if grad.size <= step:
+        piece(0)
+    else:
+        for future in [_math().submit(piece, lo) for lo in range(0, grad.size, step)]:
+            future.result()
 
 
 class Keys:
@@ -186,8 +273,10 @@ class Keys:
                 if isinstance(op, Op):
                     self.server.reply(op, error=f"server error on key {k.name!r}: {type(e).__name__}: {e}")
             finally:
-                if isinstance(op, Op) and op.array is not None:
-                    self.server.release(op.array.nbytes)  # merged, or parked for a later round
+                if isinstance(op, Op):
+                    op.drop_pages()
+                    self.server.release(op.held)  # merged, or parked for a later round
+                    op.held = 0
 
     # --- operations ---------------------------------------------------------------------------------
     def _handle(self, k: KeyState, op: Op) -> None:
@@ -226,10 +315,10 @@ class Keys:
                                         f"exceed its {op.n}")
             return
         if op.off == 0 and part.size == op.n:
-            value = _owned(part)
+            value = self.server.keep(part)
         else:
             if k.init_buf is None or k.init_buf.size != op.n or k.init_buf.dtype != part.dtype:
-                k.init_buf, k.init_got = np.empty(op.n, part.dtype), 0
+                k.init_buf, k.init_got = self.server.new_array(op.n, part.dtype), 0
             k.init_buf[op.off:op.off + part.size] = part
             k.init_got += part.size
             if k.init_got < op.n:
@@ -252,20 +341,21 @@ class Keys:
         server, w = self.server, op.worker
         expected = k.expected.get(w, 1)
         if op.seq != expected:
-            server.reply(op)  # a part of an older (already merged) or a later push: the data is safe with us
             if op.seq > expected:
+                op.detach()
                 k.deferred.append(op)
+            server.reply(op)  # a part of an older (already merged) or a later push: the data is safe with us
             return
         grad = self._gradient(k, op, length)
         if grad is None:
             return
+        n = k.value.size  # type: ignore[union-attr]
+        first = k.merge is None and op.off == 0 and length == n  # a whole push opening the round: copied in
         if k.merge is None:
-            k.merge = self._buffer(k)
-        target = k.merge[op.off:op.off + length]
-        np.add(target, grad, out=target)
+            k.merge = self._buffer(k, zero=not first)
+        _combine(k.merge[op.off:op.off + length], grad, op, add=not first)
         k.got[w] = k.got.get(w, 0) + length
         server.reply(op)
-        n = k.value.size  # type: ignore[union-attr]
         if all(k.got.get(r, -1) >= n for r in range(server.num_workers)):
             self._finish_round(k)
         else:
@@ -326,15 +416,17 @@ class Keys:
             return None
         return part
 
-    def _buffer(self, k: KeyState) -> np.ndarray:
-        """A zeroed merge buffer: last round's spare when there is one (no allocation, no page faults)."""
+    def _buffer(self, k: KeyState, zero: bool = True) -> np.ndarray:
+        """A merge buffer (zeroed unless the caller overwrites it): last round's spare when there is one and
+        its readers are done (no allocation, no page faults)."""
         value = k.value
         spare, k.spare = k.spare, None
         if (spare is not None and spare.size == value.size and spare.dtype == value.dtype  # type: ignore[union-attr]
                 and settle(k.spare_tokens, 1.0)):
-            spare.fill(0)
+            if zero:
+                spare.fill(0)
             return spare
-        return np.zeros(value.size, value.dtype)  # type: ignore[union-attr]
+        return self.server.new_array(value.size, value.dtype)  # type: ignore[union-attr]
 
     def _apply(self, k: KeyState, grad: np.ndarray, merged: bool) -> str:
         """Update the stored value with ``grad`` through the updater, or (sync, no updater) make the merged
@@ -346,7 +438,7 @@ class Keys:
             k.tokens, k.digests = [], {}
             return ""
         if k.busy() and not settle(k.tokens, 0.2):  # a reply still reads the value: update a copy
-            k.value = k.value.copy()  # type: ignore[union-attr]
+            k.value = self.server.copy_array(k.value)  # type: ignore[arg-type]
         with self.updater_lock:
             k.tokens, k.digests = [], {}
             try:
@@ -373,6 +465,8 @@ class Keys:
             self._handle(k, op)
 
     def _answer_pull(self, k: KeyState, op: Op) -> None:
+        if op.shm and self.server.answer_shared(k, op):
+            return
         view = k.value[op.off:op.off + op.length]  # type: ignore[index]
         digest = k.digests.get((op.off, op.length))
         if digest is None:

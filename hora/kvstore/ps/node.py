@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+from types import FrameType
 
 from hora.config import PSConfig
 from hora.errors import ConfigError, HoraError
@@ -41,12 +43,17 @@ def run_role(config: PSConfig) -> int:
                       "hora.kvstore.create('dist_sync'). Run this module with DMLC_ROLE=scheduler or server")
 
 
+def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the role's cleanup (its shared-memory segments)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(prog="python -m hora.kvstore.ps.node", description=__doc__.split("\n\n")[0])
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         config = PSConfig.from_env()
         return run_role(config)

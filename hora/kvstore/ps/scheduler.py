@@ -3,7 +3,8 @@
 It binds ``DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT`` and waits until
 ``DMLC_NUM_SERVER`` servers and ``DMLC_NUM_WORKER`` workers have registered.
 Then it numbers them (a worker keeps the rank it asked for, e.g. its
-``HORA_RANK``, when the requests are consistent) and sends everyone a WELCOME
+``HORA_RANK``, and a server the launcher's index, ``HORA_PS_SERVER_INDEX``,
+when the requests are consistent) and sends everyone a WELCOME
 with the servers' addresses.  While the job runs it
 
 * answers barriers once every worker arrived (a barrier a departed worker
@@ -193,8 +194,14 @@ class Scheduler:
         cfg = self.config
         servers = [n for n in self.nodes.values() if n.role == "server"]
         workers = [n for n in self.nodes.values() if n.role == "worker"]
+        server_hints = [n.rank_hint for n in servers]
+        use_server_hints = sorted(server_hints) == list(range(len(servers)))  # the launcher's indices, if valid
+        if not use_server_hints and any(h >= 0 for h in server_hints):
+            log.warning("scheduler: the servers' launch indices %s are not 0..%d each once (HORA_PS_SERVER_INDEX); "
+                        "numbering servers in registration order", server_hints, len(servers) - 1)
         for i, node in enumerate(servers):
-            node.index, node.id = i, f"s{i}"
+            node.index = node.rank_hint if use_server_hints else i
+            node.id = f"s{node.index}"
         hints = [n.rank_hint for n in workers]
         use_hints = sorted(hints) == list(range(cfg.num_workers))
         for i, node in enumerate(workers):

@@ -16,6 +16,14 @@ in which requests arrive does not matter: large messages are verified on a
 thread pool, several at a time, and handled as each verification ends.  At
 most a few messages per worker are read ahead (``RCVHWM``, and a bound on the
 verifications in flight), so unread pushes wait in the workers, not here.
+
+Co-located workers that passed the shared-memory handshake (``SHM_HELLO``,
+see :mod:`hora.kvstore.ps.shm`) push by naming a range of their own segment;
+the server maps it (then removes its name), sums straight out of it and
+answers.  Its values then live in segments of its own, and a pull that asks
+for it is answered with a reference; the buffer counts the pull as a reader
+until the worker releases it (``RELEASE`` names the pull's request id) once
+it has copied the values out.
 """
 
 from __future__ import annotations
@@ -34,8 +42,8 @@ import zmq
 
 from hora.config import PSConfig
 from hora.errors import ConfigError, PSError
-from hora.kvstore.ps import wire
-from hora.kvstore.ps.keys import Keys, Op, SendToken
+from hora.kvstore.ps import shm, wire
+from hora.kvstore.ps.keys import Keys, KeyState, Op, SendToken, ShmToken
 from hora.kvstore.ps.link import SchedulerLink, lost_error
 from hora.kvstore.ps.net import DropLog, Wakeup, bind_address, job_key, make_socket, peer_address, send
 from hora.kvstore.ps.wire import Cmd, Message, WireError
@@ -46,7 +54,9 @@ _KEY_CMDS = (Cmd.INIT, Cmd.PUSH, Cmd.PULL)
 _INLINE_BYTES = 64 * 1024  # smaller requests are verified on the event loop itself
 _BACKLOG_BYTES = 32 * 1024 * 1024  # stop reading requests while this much data waits to be verified or merged
 _MUTATING = (Cmd.INIT, Cmd.PUSH, Cmd.SET_OPTIMIZER, Cmd.SET_COMPRESSION, Cmd.SET_STATES)
-_WORKER_CMDS = (*_KEY_CMDS, Cmd.SET_OPTIMIZER, Cmd.SET_COMPRESSION, Cmd.GET_STATES, Cmd.SET_STATES)
+_WORKER_CMDS = (*_KEY_CMDS, Cmd.SET_OPTIMIZER, Cmd.SET_COMPRESSION, Cmd.GET_STATES, Cmd.SET_STATES, Cmd.SHM_HELLO,
+                Cmd.RELEASE)
+_MAX_RELEASE = 4096  # pull ids one RELEASE may name, and released ids remembered per worker
 
 
 class _Requests:
@@ -84,7 +94,22 @@ class Server:
             self.ctx.destroy(linger=0)
             raise ConfigError(f"the server cannot bind an address on {address}: {e}") from e
         self.addr = f"tcp://{address}:{port}"
-        self.link = SchedulerLink(self.ctx, config, self.key, "server", addr=self.addr)
+        self.link = SchedulerLink(self.ctx, config, self.key, "server", addr=self.addr,
+                                  rank_hint=-1 if config.server_index is None else config.server_index)
+        # shared memory with co-located workers (hora.kvstore.ps.shm)
+        self.shm_token = shm.job_token(self.key, self.link.endpoint)
+        self.shm_on = config.shm and shm.available()
+        self.shm_peers: set[int] = set()  # workers that passed the handshake
+        self.mapped = shm.Mappings(self.shm_token)  # the workers' push segments
+        self.buffers = shm.Buffers(self.shm_token)  # values and merge buffers, when some worker shares memory
+        self.shm_tokens: dict[tuple[int, int], list[ShmToken]] = {}  # (worker, pull id) -> its readers
+        self.shm_released: dict[int, collections.OrderedDict[int, None]] = collections.defaultdict(
+            collections.OrderedDict)  # worker -> recently released pull ids (a late resend is not answered)
+        self._shm_lock = threading.Lock()
+        self.shm_counts = {"pushes": 0, "pulls": 0}  # requests whose payload went through shared memory
+        self._shm_alloc_failed = False
+        if self.shm_on:
+            shm.reap()  # segments of earlier jobs on this host whose processes were all killed
         self.id = ""
         self.sync = True
         self.num_workers = config.num_workers or 1
@@ -124,12 +149,17 @@ class Server:
         finally:
             if self.drops.total:
                 log.info("%s: dropped %d bad messages in all", self.name, self.drops.total)
+            log.info("%s: %d of %d workers shared memory; %d pushes and %d pulls went through it", self.name,
+                     len(self.shm_peers), self.num_workers, self.shm_counts["pushes"], self.shm_counts["pulls"])
             self._log_memory()
             self.keys.shutdown()
             self.link.close()
             self.router.close(linger=1000)
             self.wake.close()
             self.ctx.term()
+            self.buffers.close()
+            self.mapped.close()
+            shm.cleanup(self.shm_token)
 
     def _log_memory(self) -> None:
         stored = sum(k.value.nbytes for k in list(self.keys.table.values()) if k.value is not None)
@@ -234,15 +264,18 @@ class Server:
     def _accept(self, route: bytes, frames: list, result: tuple[Message, int] | WireError, nbytes: int) -> None:
         """Bookkeeping and dispatch of a verified request (event loop only).  The key state machine that
         takes a pushed array releases its ``nbytes`` of backlog; every other outcome releases them here."""
-        if not self._dispatch(route, frames, result):
+        if not self._dispatch(route, frames, result, nbytes):
             self.release(nbytes)
 
-    def _dispatch(self, route: bytes, frames: list, result: tuple[Message, int] | WireError) -> bool:
+    def _dispatch(self, route: bytes, frames: list, result: tuple[Message, int] | WireError, nbytes: int) -> bool:
         """Handle a verified request; True when a key state machine took its array."""
         if isinstance(result, WireError):
             self.drops.drop(result, peer_address(frames[0]) if frames else "?")
             return False
         msg, worker = result
+        if msg.cmd is Cmd.RELEASE:
+            self._release(worker, msg["r"])
+            return False
         rid = msg["i"]
         book = self.requests[worker]
         book.advance(msg["a"])
@@ -256,18 +289,21 @@ class Server:
                 return False
             book.replies[rid] = None
         h = msg.header
-        if msg.cmd is Cmd.INIT:
-            self.keys.submit(h["k"], Op(Cmd.INIT, worker, rid, route, h["k"], msg.arrays[0], off=h["off"], n=h["n"]))
-            return True
-        if msg.cmd is Cmd.PUSH:
-            self.keys.submit(h["k"], Op(Cmd.PUSH, worker, rid, route, h["k"], msg.arrays[0], seq=h["seq"],
-                                        off=h["off"], n=h["n"], z=h["z"]))
+        if msg.cmd in (Cmd.INIT, Cmd.PUSH):
+            op = Op(msg.cmd, worker, rid, route, h["k"], msg.arrays[0] if msg.arrays else None, seq=h.get("seq", 0),
+                    off=h["off"], n=h["n"], z=h.get("z", -1), held=nbytes)
+            if h.get("m") is not None and not self._map_push(op, h["m"]):
+                return False
+            self.keys.submit(h["k"], op)
             return True
         if msg.cmd is Cmd.PULL:
             self.keys.submit(h["k"], Op(Cmd.PULL, worker, rid, route, h["k"], seq=h["after"], off=h["off"],
-                                        length=h["len"], n=h["n"]))
+                                        length=h["len"], n=h["n"], shm=h.get("m") is True))
             return False
         op = Op(msg.cmd, worker, rid, route, "")
+        if msg.cmd is Cmd.SHM_HELLO:
+            self._shm_hello(op, msg)
+            return False
         if msg.cmd is Cmd.SET_OPTIMIZER:
             self._set_optimizer(op, msg["spec"])
         elif msg.cmd is Cmd.SET_COMPRESSION:
@@ -298,6 +334,124 @@ class Server:
         if msg.cmd in _KEY_CMDS and msg.arrays and msg.arrays[0].ndim != 1:
             raise WireError(f"{msg.cmd.name}: key arrays travel flat, got shape {msg.arrays[0].shape}")
         return worker
+
+    # --- shared memory ------------------------------------------------------------------------------
+    def _shm_hello(self, op: Op, msg: Message) -> None:
+        """The handshake: same host identity, and the worker's probe holds the nonce it announced; then
+        our own probe (a fresh one, which the worker removes once it has checked it)."""
+        why = ""
+        if not self.shm_on:
+            why = "shared memory is off on this server (HORA_PS_SHM=0, or no /dev/shm)"
+        elif msg["who"] != shm.identity():
+            why = "the worker is on another host, user or pid namespace"
+        else:
+            try:
+                shm.check_probe(self.shm_token, msg["probe"], msg["nonce"])
+                probe, nonce = shm.make_probe(self.shm_token)
+            except (shm.ShmError, OSError) as e:
+                why = f"the shared-memory probe failed: {e}"
+        if why:
+            log.debug("%s: %s keeps the socket path: %s", self.name, self.worker_name(op.worker), why)
+            self.reply(op, extra={"ok": False, "why": why})
+            return
+        probe.close()
+        if not self.shm_peers:
+            shm.raise_fd_limit()
+        self.shm_peers.add(op.worker)
+        log.debug("%s: %s shares memory with this server", self.name, self.worker_name(op.worker))
+        self.reply(op, extra={"ok": True, "probe": probe.name, "nonce": nonce.hex()})
+
+    def _map_push(self, op: Op, ref: Any) -> bool:
+        """Resolve the shared-memory range a push or init names into ``op.array``; a bad reference is
+        refused (error reply, nothing changes)."""
+        try:
+            if op.worker not in self.shm_peers:
+                raise shm.ShmError("this worker did not pass the shared-memory handshake")
+            if op.array is not None:
+                raise shm.ShmError("the message carries both a payload frame and a shared-memory range")
+            array, seg, offset, _ = self.mapped.view((op.worker, op.key), ref)
+        except shm.ShmError as e:
+            log.debug("%s: refusing %s of %s: %s", self.name, op.cmd.name, self.worker_name(op.worker), e)
+            self.reply(op, error=f"{op.cmd.name} of key {op.key!r} refused: {e}")
+            return False
+        seg.unlink()  # mapped: the name is no longer needed, and a crash can no longer leak the memory
+        op.array, op.src = array, (seg, offset)
+        self.shm_counts["pushes"] += 1
+        return True
+
+    def _release(self, worker: int, rids: list) -> None:
+        """A worker finished reading the shared-memory replies to these pulls: every reply to each of them
+        (a resent pull may have been answered twice; the worker read one answer and ignored the others)."""
+        with self._shm_lock:
+            released = self.shm_released[worker]
+            for rid in rids[:_MAX_RELEASE]:
+                if not isinstance(rid, int) or isinstance(rid, bool):
+                    continue
+                released[rid] = None
+                for token in self.shm_tokens.pop((worker, rid), ()):
+                    token.released = True
+                    seg = token.segment
+                    seg.seen_by.add(worker)
+                    if self.shm_peers <= seg.seen_by:
+                        seg.unlink()  # every co-located worker has mapped it
+            while len(released) > _MAX_RELEASE:
+                released.popitem(last=False)
+
+    def keep(self, array: np.ndarray) -> np.ndarray:
+        """A received array the server may keep and write as a key's value: the frame itself when
+        possible, a copy in shared memory when some worker reads values that way, else a private copy."""
+        if self.shm_peers:
+            out = self.new_array(array.size, array.dtype)
+            np.copyto(out, array)
+            return out
+        return array if array.flags.writeable and array.flags.aligned else array.copy()
+
+    def new_array(self, count: int, dtype: np.dtype) -> np.ndarray:
+        """A zeroed buffer for a value or a merge: in shared memory when some worker shares memory."""
+        shared = self._shared_array(count, dtype) if self.shm_peers else None
+        return shared if shared is not None else np.zeros(count, dtype)
+
+    def _shared_array(self, count: int, dtype: np.dtype) -> np.ndarray | None:
+        try:
+            return self.buffers.alloc(count, np.dtype(dtype))
+        except OSError as e:
+            if not self._shm_alloc_failed:
+                self._shm_alloc_failed = True
+                log.warning("%s: cannot allocate %d bytes of shared memory (%s); such values stay in private "
+                            "memory and their pulls go through the socket (is /dev/shm full or small?)",
+                            self.name, count * np.dtype(dtype).itemsize, e)
+            return None
+
+    def copy_array(self, array: np.ndarray) -> np.ndarray:
+        """A copy of a value, where :meth:`new_array` would put it."""
+        out = self.new_array(array.size, array.dtype)
+        np.copyto(out, array)
+        return out
+
+    def answer_shared(self, k: KeyState, op: Op) -> bool:
+        """Answer a pull with a reference into the value's segment (moving the value into shared memory
+        first when it is not there yet); False when this pull must go through the socket."""
+        if op.worker not in self.shm_peers or k.value is None:
+            return False
+        seg = self.buffers.segment_of(k.value)
+        if seg is None:
+            moved = None if self._shm_alloc_failed else self._shared_array(k.value.size, k.value.dtype)
+            seg = self.buffers.segment_of(moved)
+            if seg is None:
+                return False
+            np.copyto(moved, k.value)
+            k.value, k.tokens = moved, []  # the old buffer keeps only its in-flight replies, which hold it
+        value = k.value
+        with self._shm_lock:
+            if op.rid in self.shm_released[op.worker]:
+                return True  # a resent pull whose answer the worker has read already: it expects nothing more
+            token = ShmToken(op.worker, seg)
+            self.shm_tokens.setdefault((op.worker, op.rid), []).append(token)
+            self.shm_counts["pulls"] += 1
+        k.tokens = [t for t in k.tokens if t.busy()]
+        k.tokens.append(token)
+        self.reply(op, extra={"m": shm.make_ref(seg, op.off * value.dtype.itemsize, op.length, value.dtype)})
+        return True
 
     def _set_optimizer(self, op: Op, spec: dict[str, Any]) -> None:
         from hora.kvstore.optimizer import create_updater

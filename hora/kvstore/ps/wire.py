@@ -8,7 +8,10 @@ A message is the multipart frame list ``[header, payload..., mac]``:
   (:data:`SCHEMA`).
 * ``payload``: one raw frame per array, C order, native little-endian.  They
   are sent without copying (numpy buffers) and received into
-  ``numpy.frombuffer`` views of the ZeroMQ frames.
+  ``numpy.frombuffer`` views of the ZeroMQ frames.  Between co-located peers
+  a push, an init or a pull reply may instead name a range of a shared-memory
+  segment in its header (``m``) and carry no payload frame; see
+  :mod:`hora.kvstore.ps.shm`.
 * ``mac``: HMAC-SHA256, keyed by the job secret, over a domain tag, the
   header, and the SHA-256 digest of every payload frame.  Hashing each frame
   on its own lets large frames be hashed in parallel (frames above
@@ -75,10 +78,13 @@ class Cmd(enum.IntEnum):
     SET_COMPRESSION = 24
     GET_STATES = 25     # worker -> server: every key's optimizer state
     SET_STATES = 26
+    SHM_HELLO = 27      # worker -> server: may we share memory? (host identity, a probe segment and its nonce)
+    RELEASE = 28        # worker -> server: done reading the shared-memory replies to pulls ``r`` (request ids)
     REPLY = 30          # server -> worker: answer to request ``i`` (e: error text, or "")
 
 
-# Field types: "int", "str", "bool", "dict", "dict?" (dict or None), "list".
+# Field types: "int", "str", "bool", "dict", "dict?" (dict or None), "list"; a leading "~" makes the field
+# optional (absent, or of that type).
 _REQ = {"i": "int", "a": "int"}  # request id, and the sender's lowest unanswered request id
 SCHEMA: dict[Cmd, dict[str, str]] = {
     Cmd.REGISTER: {"i": "int", "role": "str", "host": "str", "pid": "int", "addr": "str", "rank": "int",
@@ -94,16 +100,19 @@ SCHEMA: dict[Cmd, dict[str, str]] = {
     Cmd.WORKER_LEFT: {"rank": "int", "node": "str"},
     Cmd.STOP: {},
     Cmd.REJECT: {"reason": "str"},
-    Cmd.INIT: {**_REQ, "k": "str", "off": "int", "n": "int"},
-    Cmd.PUSH: {**_REQ, "k": "str", "seq": "int", "off": "int", "n": "int", "z": "int"},
-    Cmd.PULL: {**_REQ, "k": "str", "after": "int", "off": "int", "len": "int", "n": "int"},
+    Cmd.INIT: {**_REQ, "k": "str", "off": "int", "n": "int", "m": "~list"},
+    Cmd.PUSH: {**_REQ, "k": "str", "seq": "int", "off": "int", "n": "int", "z": "int", "m": "~list"},
+    Cmd.PULL: {**_REQ, "k": "str", "after": "int", "off": "int", "len": "int", "n": "int", "m": "~bool"},
     Cmd.SET_OPTIMIZER: {**_REQ, "spec": "dict"},
     Cmd.SET_COMPRESSION: {**_REQ, "spec": "dict?"},
     Cmd.GET_STATES: {**_REQ},
     Cmd.SET_STATES: {**_REQ, "names": "list"},
-    Cmd.REPLY: {"i": "int", "e": "str"},
+    Cmd.SHM_HELLO: {**_REQ, "who": "str", "probe": "str", "nonce": "str"},
+    Cmd.RELEASE: {"r": "list"},
+    Cmd.REPLY: {"i": "int", "e": "str", "m": "~list"},
 }
-#: Number of payload arrays a command carries (None: any number).
+#: Number of payload arrays a command carries (None: any number).  A message whose header names a
+#: shared-memory range (``m``) carries none.
 ARRAYS: dict[Cmd, int | None] = {cmd: 0 for cmd in Cmd}
 ARRAYS.update({Cmd.INIT: 1, Cmd.PUSH: 1, Cmd.SET_STATES: None, Cmd.REPLY: None})
 
@@ -234,11 +243,11 @@ def _check_type(cmd: Cmd, name: str, value: Any, kind: str) -> None:
         raise WireError(f"{cmd.name}: field {name!r} should be {kind}, got {type(value).__name__}")
 
 
-def _arrays(cmd: Cmd, descs: Any, bufs: list[memoryview]) -> list[np.ndarray]:
+def _arrays(cmd: Cmd, descs: Any, bufs: list[memoryview], shared: bool) -> list[np.ndarray]:
     if not isinstance(descs, list) or len(descs) != len(bufs):
         raise WireError(f"{cmd.name}: header describes {len(descs) if isinstance(descs, list) else '?'} "
                         f"arrays but {len(bufs)} payload frames came")
-    want = ARRAYS[cmd]
+    want = 0 if shared else ARRAYS[cmd]
     if want is not None and len(bufs) != want:
         raise WireError(f"{cmd.name}: carries {len(bufs)} arrays, expected {want}")
     out = []
@@ -289,10 +298,15 @@ def decode(frames: Sequence[Any], key: bytes) -> Message:
     for name in ("s", "d"):
         _check_type(cmd, name, header.get(name), "str")
     for name, kind in SCHEMA[cmd].items():
+        if kind.startswith("~"):
+            if header.get(name) is not None:
+                _check_type(cmd, name, header[name], kind[1:])
+            continue
         if name not in header:
             raise WireError(f"{cmd.name}: missing field {name!r}")
         _check_type(cmd, name, header[name], kind)
-    return Message(cmd, header, _arrays(cmd, header.get("f"), bufs))
+    shared = cmd in (Cmd.INIT, Cmd.PUSH, Cmd.REPLY) and header.get("m") is not None
+    return Message(cmd, header, _arrays(cmd, header.get("f"), bufs, shared))
 
 
 def peek_reject(frames: Sequence[Any]) -> str | None:
