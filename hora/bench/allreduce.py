@@ -17,10 +17,11 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from hora.bench.emulate import Placement
 from hora.bench.jobs import JobOutput, run_job
 from hora.bench.model import CostModel, bus_bandwidth
 from hora.bench.options import RunOptions, ratio
-from hora.bench.report import Progress, markdown_table
+from hora.bench.report import Progress, markdown_table, with_runs
 from hora.bench.units import fmt_bytes, fmt_ratio, fmt_seconds
 from hora.errors import ConfigError
 
@@ -71,17 +72,42 @@ def slowest_rank_median(results: dict[int, dict[str, Any]], key: str) -> tuple[f
     return statistics.median(slowest), min(slowest)
 
 
-def run(config: AllreduceConfig, options: RunOptions, model: CostModel) -> list[dict[str, Any]]:
-    """Run every (backend, N) job and return one row per (backend, N, size)."""
+def host_cpu_of(results: dict[int, dict[str, Any]], key: str) -> dict[str, float]:
+    """``host_busy`` (share of all cores busy) and ``host_cpu_s`` (CPU-seconds per iteration) for ``key``.
+
+    Taken from the lowest rank that sampled ``/proc/stat`` over the timed
+    iterations (on an emulated cluster every host sees the whole machine);
+    empty when none did.
+    """
+    for rank in sorted(results):
+        use = (results[rank].get("host_cpu") or {}).get(key)
+        if use:
+            return {"host_busy": use["busy"], "host_cpu_s": use["cpu_s"], "host_cores": use.get("cores")}
+    return {}
+
+
+def fmt_busy(row: dict[str, Any]) -> str:
+    """``97%`` of the host's cores busy during the timed iterations, ``—`` when not sampled."""
+    busy = row.get("host_busy")
+    return "—" if busy is None else f"{100 * busy:.0f}%"
+
+
+def run(config: AllreduceConfig, options: RunOptions, model: CostModel,
+        placement: Placement | None = None) -> list[dict[str, Any]]:
+    """Run every (backend, N) job and return one row per (backend, N, size).
+
+    ``placement``: where the jobs run when the caller already chose (an
+    emulated cluster it started); None opens :meth:`RunOptions.placement`.
+    """
     rows: list[dict[str, Any]] = []
     jobs = [(b, n) for n in config.num_procs for b in config.backends]
     args = ["--sizes", ",".join(map(str, config.sizes)), "--iters", str(config.iters),
             "--warmup", str(config.warmup)]
     with Progress(len(jobs) * len(config.sizes), "allreduce", options.progress) as bar, \
-            options.placement() as placement:
+            options.placement(placement) as where:
         for backend, n in jobs:
             bar.update(0, f"{backend} np={n}")
-            spec = options.job("allreduce", args, num_proc=n, controller=backend, placement=placement)
+            spec = options.job("allreduce", args, num_proc=n, controller=backend, placement=where)
             out = run_job(spec, on_event=lambda e: bar.update(1) if e.get("event") == "progress" else None)
             rows += rows_from(out, config, backend, n, model)
     return rows
@@ -101,16 +127,20 @@ def rows_from(out: JobOutput, config: AllreduceConfig, backend: str, n: int, mod
     for nbytes in config.sizes:
         t, t_min = slowest_rank_median(results, str(nbytes))
         algbw = nbytes / t
-        predicted = model.ring_allreduce(nbytes, n).total
+        est = model.ring_allreduce(nbytes, n)
+        predicted = est.total
         rows.append({"backend": backend, "np": n, "bytes": nbytes, "time_s": t, "min_s": t_min,
                      "algbw": algbw, "busbw": bus_bandwidth(algbw, n), "predicted_s": predicted,
-                     "ratio": ratio(t, predicted)})
+                     "ratio": ratio(t, predicted), "bound": est.bound, **host_cpu_of(results, str(nbytes))})
     return rows
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
-    """Markdown table of the rows: time, algbw, busbw, model time, measured/model."""
-    headers = ["backend", "ranks", "size", "time", "algbw GB/s", "busbw GB/s", "model", "measured/model"]
+    """Markdown table of the rows: time, algbw, busbw, model time, measured/model, host CPU busy."""
+    headers = ["backend", "ranks", "size", "time", "algbw GB/s", "busbw GB/s", "model", "bound", "measured/model",
+               "host CPU busy"]
     body = [[r["backend"], str(r["np"]), fmt_bytes(r["bytes"]), fmt_seconds(r["time_s"]), f"{r['algbw'] / 1e9:.3g}",
-             f"{r['busbw'] / 1e9:.3g}", fmt_seconds(r["predicted_s"]), fmt_ratio(r["ratio"])] for r in rows]
-    return markdown_table(headers, body)
+             f"{r['busbw'] / 1e9:.3g}", fmt_seconds(r["predicted_s"]), r.get("bound", "—"), fmt_ratio(r["ratio"]),
+             fmt_busy(r)]
+            for r in rows]
+    return markdown_table(*with_runs(headers, body, rows))

@@ -8,6 +8,7 @@ handed to its module (:mod:`hora.bench.plan`, :mod:`.allreduce`,
     hora bench allreduce --sizes 4KiB,1MiB,64MiB --backends gloo,mpi -np 2,4 --json out.json --plot ar.png
     hora bench train -np 1,2,4 --strategy allreduce,ps --model resnet18
     hora bench kvstore --workers 2 --servers 1,2,4 --sizes 4MiB,64MiB
+    hora bench kvstore --emulate-hosts 16 --link 1gbit --workers 8 --servers 1,2,4,8 --sizes 16MiB --repeat 3
 
 The measuring ones run real ``hora run`` jobs (``-H``/``--hostfile`` pass
 through to the launcher), show a progress bar on stderr, print a markdown
@@ -72,10 +73,16 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     emu.add_argument("--overhead", default=None, metavar="TIME",
                      help="fixed software cost per collective or push+pull for the model (e.g. 2ms; default 0)")
     emu.add_argument("--no-cpu-term", action="store_true",
-                     help="leave the CPU reduction time out of the model (it is measured on this host otherwise)")
+                     help="leave the CPU out of the model: the reduction time (measured on this host otherwise) "
+                          "and, on an emulated cluster, the machine's measured rate of moving bytes between hosts")
+    emu.add_argument("--no-calibrate", action="store_true",
+                     help="on an emulated cluster, model the nominal --link rate instead of measuring the links' "
+                          "TCP goodput and the machine's transfer rate once at the start")
     out = p.add_argument_group("output")
     add_output_options(out)
     out.add_argument("--plot", metavar="FILE", help="draw the results into a PNG (needs matplotlib)")
+    out.add_argument("--repeat", type=int, default=1, metavar="R",
+                     help="run everything R times (each on a fresh emulated cluster) and report each row's median")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -124,7 +131,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_options(p)
 
     p = child("kvstore", "push+pull through parameter servers (S = 1, 2, 4...) vs allreduce", _kvstore)
-    p.add_argument("--workers", "-n", type=int, default=2, help="workers W")
+    p.add_argument("--workers", "-n", type=_ints, default=[2],
+                   help="workers W, or several counts (2,4,8) to see the time against W")
     p.add_argument("--servers", "-s", type=_ints, default=[1, 2], help="server counts, e.g. 1,2,4,8")
     p.add_argument("--sizes", default="4MiB,64MiB", help="key sizes (float32)")
     p.add_argument("--no-allreduce", action="store_true", help="skip dist_sync_allreduce")
@@ -197,31 +205,92 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measure(args: argparse.Namespace, name: str, config: Any, module: Any, plot: Callable[..., None]) -> int:
-    """Shared tail of the measuring benchmarks: model, run, table, JSON, plot."""
-    from hora.bench.options import RunOptions, cost_model, model_doc
-    from hora.bench.report import machine, table_stream, write_json
+#: Per measuring benchmark: the measured time of a row, and the fields that name a row.
+_ROW_TIME = {"allreduce": "time_s", "kvstore": "time_s", "train": "step_s"}
+_ROW_KEY = {"allreduce": ("backend", "np", "bytes"), "kvstore": ("system", "workers", "servers", "bytes"),
+            "train": ("strategy", "np", "servers")}
 
+
+def _measure(args: argparse.Namespace, name: str, config: Any, module: Any, plot: Callable[..., None]) -> int:
+    """Shared tail of the measuring benchmarks: model, run (``--repeat`` times), table, JSON, plot.
+
+    Each repeat starts (and on an emulated cluster calibrates) its own
+    cluster; a row is the repeat with the median time, its prediction from
+    that repeat's own calibration.
+    """
+    from hora.bench.options import RunOptions, calibrated, cost_model, model_doc
+    from hora.bench.report import machine, median_rows, table_stream, write_json
+
+    if args.repeat < 1:
+        raise ConfigError(f"--repeat {args.repeat} must be >= 1")
     options = RunOptions.from_args(args)
-    model = cost_model(args.link, args.latency, options, cpu_term=not args.no_cpu_term, overhead=args.overhead)
+    base = cost_model(args.link, args.latency, options, cpu_term=not args.no_cpu_term, overhead=args.overhead)
     skipped: list[str] = []
-    rows = module.run(config, options, model, skipped) if name == "kvstore" else module.run(config, options, model)
+    load = {"before": idle_load()}
+    runs, models, calibrations = [], [], []
+    for _ in range(args.repeat):
+        skipped.clear()
+        with options.placement() as placement:
+            model = calibrated(base, placement.calibration, cpu_term=not args.no_cpu_term)
+            if name == "kvstore":
+                runs.append(module.run(config, options, model, skipped, placement=placement))
+            else:
+                runs.append(module.run(config, options, model, placement=placement))
+        models.append(model)
+        calibrations.append(placement.calibration)
+    load["after"] = idle_load()
+    rows = median_rows(runs, _ROW_TIME[name], _ROW_KEY[name])
+    if name == "kvstore":
+        module.add_comparisons(rows)
+    elif name == "train":
+        module.add_efficiency(rows)
     title = f"hora bench {name} ({options.where})"
     stream = table_stream(args.json)
+    model = models[0]
     print(f"\n{title}; cost model: {model.bandwidth_bps / 1e9:.3g} Gbit/s links, {model.latency_s * 1e6:.3g} µs "
           f"latency, CPU sums {model.reduce_bytes_per_s / 1e9:.3g} GB/s, overhead "
-          f"{model.overhead_s * 1e6:g} µs per operation\n", file=stream)
+          f"{model.overhead_s * 1e6:g} µs per operation", file=stream)
+    for i, calibration in enumerate(calibrations):
+        if calibration is not None:
+            run = f"run {i + 1}: " if len(calibrations) > 1 else ""
+            print(f"calibrated on the emulated cluster, {run}{calibration.describe()}", file=stream)
+    if any(calibrations):
+        print("the model's link is the goodput" + ("" if args.no_cpu_term else "; no operation beats the bytes over "
+              "all links / the machine's rate (bound: cpu)"), file=stream)
+    if args.repeat > 1:
+        print(f"each row: the median of {args.repeat} runs, each on a fresh cluster with its own calibration",
+              file=stream)
+    if None not in load.values():
+        print(f"other load on this machine while no job ran: {100 * load['before']:.0f}% of its cores just before, "
+              f"{100 * load['after']:.0f}% just after", file=stream)
+    print(file=stream)
     print(module.table(rows) if rows else "(no rows)", file=stream)
     for line in skipped:
         print(f"\n{line}", file=stream)
     stream.flush()
     if args.json is not None:
         write_json({"benchmark": name, "where": options.where, "machine": machine(),
-                    "config": dataclasses.asdict(config), "model": model_doc(model), "rows": rows,
-                    "skipped": skipped}, args.json)
+                    "config": dataclasses.asdict(config), "model": model_doc(model),
+                    "models": [model_doc(m) for m in models],
+                    "calibrations": [dataclasses.asdict(c) if c else None for c in calibrations],
+                    "rows": rows, "runs": runs, "skipped": skipped, "idle_load": load}, args.json)
     if args.plot and rows:
         plot(rows, args.plot, title)
     return 0
+
+
+def idle_load(seconds: float = 1.0) -> float | None:
+    """The share of this machine's cores busy over ``seconds`` while the benchmark runs nothing: others' load."""
+    import time
+
+    from hora.bench.workers import host_cpu
+
+    before = host_cpu()
+    time.sleep(seconds)
+    after = host_cpu()
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 def _allreduce(args: argparse.Namespace) -> int:

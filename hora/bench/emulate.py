@@ -7,9 +7,13 @@ it: it starts ``N`` hosts, yields a :class:`Placement` (the ``-H`` list, the
 cluster's ssh config for ``hora run``, and the ``nsenter`` prefix that starts
 the launcher on the first host), and tears the cluster down afterwards.  The
 launcher then reaches the other hosts over ssh, as on a real cluster, so
-every rank (and every server, when the launcher places servers on hosts of
-their own) talks over a shaped link.  Where the emulation cannot run (no
-root, no ``ip netns``), asking for it raises
+every rank and every server talks over a shaped link.  Workers take the
+first hosts, one rank each; servers go on the hosts beyond them
+(``hora run --server-hosts``), so ``W`` workers and ``k`` servers on hosts of
+their own need ``--emulate-hosts W+k`` (the scheduler shares rank 0's host).
+Before the first job, :func:`calibrate` measures what the cluster's links
+and shared cores deliver, for the cost model.  Where the emulation cannot
+run (no root, no ``ip netns``), asking for it raises
 :class:`hora.errors.UnsupportedError` with the reason.
 """
 
@@ -19,14 +23,48 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
+import json
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from types import ModuleType
+from typing import Any
 
-from hora.bench.units import fmt_rate, parse_duration, parse_rate
+from hora.bench.units import MiB, fmt_rate, parse_duration, parse_rate
 from hora.errors import ConfigError, HoraError, UnsupportedError
 
 #: The module of the cluster emulation.
 EMULATION_MODULE = "hora.runner.emulate"
+
+
+#: Port the calibration streams listen on (each emulated host has a network namespace of its own).
+CALIBRATION_PORT = 5201
+#: Most stream pairs the machine-rate calibration runs at once.
+CALIBRATION_PAIRS = 4
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class LinkCalibration:
+    """What one emulated cluster's links and machine really deliver, measured once when it starts.
+
+    Attributes:
+        goodput_bps: payload bits per second of one TCP stream over one shaped
+            link (below the link rate by the TCP/IP and Ethernet headers).
+        machine_bytes_per_s: payload bytes per second the machine moved with
+            ``pairs`` streams at once over unshaped links, every core busy:
+            how fast the shared cores can move bytes between hosts at all.
+        pairs: concurrent streams of that measurement.
+    """
+
+    goodput_bps: float
+    machine_bytes_per_s: float
+    pairs: int
+
+    def describe(self) -> str:
+        """``TCP goodput 0.94 Gbit/s per link; the machine moves 1.1 GB/s between hosts``."""
+        return (f"TCP goodput {fmt_rate(self.goodput_bps)} per link; the machine moves "
+                f"{self.machine_bytes_per_s / 1e9:.3g} GB/s between hosts ({self.pairs} unshaped streams)")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -34,13 +72,37 @@ class Placement:
     """Where the jobs of a benchmark run: ``-H`` hosts, extra ``hora run`` flags, and a command prefix.
 
     On localhost or real hosts only ``hosts`` may be set; on an emulated
-    cluster ``prefix`` starts ``hora run`` inside the first host and
-    ``run_args`` give it the cluster's ssh config.
+    cluster ``prefix`` starts ``hora run`` inside the first host,
+    ``run_args`` give it the cluster's ssh config, ``names`` are the
+    hosts, in order (see :meth:`for_job`), and ``calibration`` what its
+    links deliver.
     """
 
     hosts: str | None = None
     run_args: tuple[str, ...] = ()
     prefix: tuple[str, ...] = ()
+    names: tuple[str, ...] = ()
+    calibration: LinkCalibration | None = None
+
+    def for_job(self, num_proc: int, num_servers: int = 0) -> tuple[str | None, tuple[str, ...]]:
+        """The ``-H`` value and the ``--server-hosts`` of one job.
+
+        On an emulated cluster (``names`` set) the workers take the first
+        ``num_proc`` hosts, one each, and the servers go round-robin over the
+        hosts beyond them, so no worker shares a server's link; with no host
+        to spare they share the workers' hosts (``hora run``'s default).
+        Elsewhere ``hosts`` is passed through and the launcher places the servers.
+
+        Raises:
+            ConfigError: the emulated cluster has fewer hosts than ``num_proc``.
+        """
+        if not self.names:
+            return self.hosts, ()
+        if num_proc > len(self.names):
+            raise ConfigError(f"-np {num_proc} needs one emulated host per rank: raise --emulate-hosts "
+                              f"{len(self.names)} to at least {num_proc}")
+        hosts = ",".join(f"{name}:1" for name in self.names[:num_proc])
+        return hosts, (self.names[num_proc:] if num_servers else ())
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -104,8 +166,11 @@ def _run_accepts(flag: str) -> bool:
 
 
 @contextlib.contextmanager
-def emulated_hosts(emulation: Emulation) -> Iterator[Placement]:
+def emulated_hosts(emulation: Emulation, calibrate_links: bool = True) -> Iterator[Placement]:
     """Start the emulated cluster; yield where jobs run on it; tear it down after.
+
+    With ``calibrate_links`` (and two hosts or more) the links are measured
+    first (:func:`calibrate`), for the cost model.
 
     Raises:
         UnsupportedError: no cluster emulation in this installation, or it
@@ -117,9 +182,10 @@ def emulated_hosts(emulation: Emulation) -> Iterator[Placement]:
         raise UnsupportedError(
             f"--emulate-hosts needs hora's cluster emulation ({EMULATION_MODULE}), which this installation "
             "does not have; run without --emulate-hosts, or on a real cluster with -H/--hostfile")
-    if not _run_accepts("--ssh-config-file"):
-        raise UnsupportedError("--emulate-hosts needs hora run's ssh launcher (--ssh-config-file) to reach the "
-                               "emulated hosts, which this installation does not have")
+    for flag in ("--ssh-config-file", "--server-hosts"):
+        if not _run_accepts(flag):
+            raise UnsupportedError(f"--emulate-hosts needs hora run's ssh launcher and its {flag} flag to reach "
+                                   "the emulated hosts, which this installation does not have")
     try:
         cluster = module.EmulatedCluster(emulation.hosts, link=emulation.link, latency=emulation.latency)
         cluster.start()
@@ -129,7 +195,74 @@ def emulated_hosts(emulation: Emulation) -> Iterator[Placement]:
         raise UnsupportedError(f"cannot start {emulation.describe()}: {e}") from e
     try:
         first = cluster.hosts[0].name
+        calibration = calibrate(cluster, emulation) if calibrate_links and emulation.hosts > 1 else None
         yield Placement(hosts=cluster.hosts_spec(1), run_args=("--ssh-config-file", cluster.ssh_config),
-                        prefix=tuple(cluster.command(first, [])))
+                        prefix=tuple(cluster.command(first, [])), names=tuple(h.name for h in cluster.hosts),
+                        calibration=calibration)
     finally:
         cluster.close()
+
+
+def calibrate(cluster: Any, emulation: Emulation, timeout_s: float = 60.0) -> LinkCalibration:
+    """Measure a started cluster: one stream's goodput over a shaped link, then the machine's rate unshaped.
+
+    The goodput stream runs from the first host to the second and carries
+    half a second of the link's rate (8 to 256 MiB).  For the machine's
+    rate the links are unshaped for a moment and up to
+    :data:`CALIBRATION_PAIRS` pairs of hosts stream 256 MiB each at once;
+    the rate is their bytes over the slowest stream's time.  The shaping is
+    put back whatever happens.  Any other load on the machine lowers the
+    second figure, as it slows the benchmark's jobs.
+
+    Raises:
+        UnsupportedError: a stream failed or timed out.
+    """
+    hosts = [(h.name, h.addr) for h in cluster.hosts]
+    nbytes = int(min(256 * MiB, max(8 * MiB, emulation.link_bps / 8 * 0.5)))
+    goodput = _streams(cluster, [(hosts[0], hosts[1])], nbytes, timeout_s)
+    pairs = [(hosts[2 * i], hosts[2 * i + 1]) for i in range(min(CALIBRATION_PAIRS, len(hosts) // 2))]
+    cluster.shape(None, None)
+    try:
+        machine = _streams(cluster, pairs, 256 * MiB, timeout_s)
+    finally:
+        cluster.shape(emulation.link, emulation.latency)
+    return LinkCalibration(goodput_bps=goodput * 8, machine_bytes_per_s=machine, pairs=len(pairs))
+
+
+def _streams(cluster: Any, pairs: list[tuple[tuple[str, str], tuple[str, str]]], nbytes: int,
+             timeout_s: float) -> float:
+    """Bytes per second of ``pairs`` (sender, receiver) streams of ``nbytes`` each, run at once."""
+    from hora.bench.jobs import job_env
+
+    env = job_env()
+    module = [sys.executable, "-m", "hora.bench.workers.stream"]
+    procs: list[subprocess.Popen] = []
+    try:
+        receivers = []
+        for _, (name, addr) in pairs:
+            proc = cluster.popen(name, [*module, "recv", f"{addr}:{CALIBRATION_PORT}", str(nbytes), "--timeout",
+                                        str(timeout_s)], env=env, stdout=subprocess.PIPE, text=True)
+            procs.append(proc)
+            receivers.append(proc)
+            if proc.stdout is None or proc.stdout.readline().strip() != "ready":
+                raise UnsupportedError(f"the calibration stream's receiver on {name} did not start")
+        for (name, _), (_, addr) in pairs:
+            procs.append(cluster.popen(name, [*module, "send", f"{addr}:{CALIBRATION_PORT}", str(nbytes),
+                                              "--timeout", str(timeout_s)], env=env))
+        deadline = time.monotonic() + timeout_s
+        results = []
+        for proc in receivers:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except (subprocess.TimeoutExpired, ValueError, IndexError, OSError) as e:
+        raise UnsupportedError(f"calibrating the emulated links failed: {e}") from e
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if any(r["bytes"] < nbytes or r["seconds"] <= 0 for r in results):
+        raise UnsupportedError(f"calibrating the emulated links: a stream moved only {results}")
+    return sum(r["bytes"] for r in results) / max(r["seconds"] for r in results)

@@ -55,6 +55,8 @@ class JobSpec:
         num_proc: worker processes (``-np``).
         controller: ``"gloo"`` or ``"mpi"``.
         num_servers: parameter servers (``-s``), 0 for none.
+        server_hosts: hosts for the servers (``--server-hosts``); empty: the
+            launcher puts them on the workers' hosts.
         hosts: ``-H`` value passed through to the launcher.
         hostfile: ``--hostfile`` value passed through.
         run_args: further ``hora run`` flags, verbatim.
@@ -70,6 +72,7 @@ class JobSpec:
     num_proc: int = 2
     controller: str = "gloo"
     num_servers: int = 0
+    server_hosts: Sequence[str] = ()
     hosts: str | None = None
     hostfile: str | None = None
     run_args: Sequence[str] = ()
@@ -91,6 +94,8 @@ class JobSpec:
         cmd = [sys.executable, "-m", "hora.runner.cli", "run", "-np", str(self.num_proc), f"--{self.controller}"]
         if self.num_servers:
             cmd += ["-s", str(self.num_servers)]
+            if self.server_hosts:
+                cmd += ["--server-hosts", ",".join(self.server_hosts)]
         if self.hosts:
             cmd += ["-H", self.hosts]
         if self.hostfile:

@@ -29,6 +29,19 @@ workers' own links bind.  With servers *colocated* on the first ``k`` worker
 hosts (MXNet's ``launch.py`` default) a host's own share stays local, and the
 bytes per link are counted host by host (:meth:`CostModel.ps_phase_bytes`).
 
+**One machine's cores shared by every host** (an emulated cluster): the
+kernel's and the processes' work of moving a byte from one host to another
+is done by the same few cores whichever host sends it.  Calibrated once as
+``M``, the bytes per second the whole machine can move across emulated
+links when every core works on it (:func:`hora.bench.emulate.calibrate`),
+the bytes that cross links in one operation (ring ``2(N-1)*S``, parameter
+server ``2N*S`` with dedicated servers) take at least ``bytes/M``; link
+and CPU work at the same time, so the busier of the two binds (a roofline)::
+
+    T = max(link term, bytes/M) + latency + CPU summing + overhead
+
+``M`` is infinite (no such term) on real clusters and in ``hora bench plan``.
+
 **Scaling efficiency** of training with a compute time ``C`` per step and a
 fraction ``f`` of the communication hidden behind the backward pass::
 
@@ -59,16 +72,25 @@ class Estimate:
         bandwidth: bytes over the busiest link divided by the link rate.
         latency: per-message latency terms.
         cpu: reduction (summing) time and fixed per-operation overhead.
+        shared: bytes over all links divided by the machine's rate ``M``, when
+            every host shares one machine's cores (0 otherwise); it runs at
+            the same time as the transfers, so only the larger of the two counts.
     """
 
     bandwidth: float
     latency: float
     cpu: float
+    shared: float = 0.0
 
     @property
     def total(self) -> float:
-        """The predicted time: the sum of the three terms (no overlap between them)."""
-        return self.bandwidth + self.latency + self.cpu
+        """The predicted time: ``max(bandwidth, shared) + latency + cpu``."""
+        return max(self.bandwidth, self.shared) + self.latency + self.cpu
+
+    @property
+    def bound(self) -> str:
+        """``"link"`` or ``"cpu"``: which of the two concurrent terms sets the time."""
+        return "cpu" if self.shared > self.bandwidth else "link"
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -81,12 +103,16 @@ class CostModel:
         reduce_bytes_per_s: bytes per second a core sums one float32 buffer
             into another; ``inf`` leaves the CPU out.
         overhead_s: fixed software cost of one collective or push+pull.
+        machine_bytes_per_s: bytes per second one machine moves across links
+            when all hosts share its cores (an emulated cluster); ``inf``
+            when every host has cores of its own.
     """
 
     bandwidth_bps: float
     latency_s: float = 0.0
     reduce_bytes_per_s: float = math.inf
     overhead_s: float = 0.0
+    machine_bytes_per_s: float = math.inf
 
     def __post_init__(self) -> None:
         if not self.bandwidth_bps > 0 or math.isinf(self.bandwidth_bps):
@@ -97,6 +123,8 @@ class CostModel:
             raise ConfigError(f"reduction rate {self.reduce_bytes_per_s!r} B/s must be positive")
         if not self.overhead_s >= 0:
             raise ConfigError(f"overhead {self.overhead_s!r} s must be >= 0")
+        if not self.machine_bytes_per_s > 0:
+            raise ConfigError(f"machine transfer rate {self.machine_bytes_per_s!r} B/s must be positive")
 
     @classmethod
     def from_strings(cls, link: str, latency: str = "0", **kwargs: float) -> CostModel:
@@ -117,7 +145,8 @@ class CostModel:
         n = workers
         share = (n - 1) / n * nbytes
         return Estimate(bandwidth=2 * share / self.bytes_per_s, latency=2 * (n - 1) * self.latency_s,
-                        cpu=share / self.reduce_bytes_per_s + self.overhead_s)
+                        cpu=share / self.reduce_bytes_per_s + self.overhead_s,
+                        shared=2 * n * share / self.machine_bytes_per_s)
 
     # --- parameter server -----------------------------------------------------------
     @staticmethod
@@ -143,8 +172,10 @@ class CostModel:
         """``T_ps = 2 * max(S/B, N*S/(k*B)) + 4L + (N-1)*S/(k*R)`` (dedicated servers; see the module doc)."""
         phase = self.ps_phase_bytes(nbytes, workers, servers, colocated)
         merge = (workers - 1) * nbytes / servers / self.reduce_bytes_per_s
+        # colocated: each of the k server hosts keeps its worker's S/k share off the links
+        crossing = (workers - 1 if colocated else workers) * nbytes
         return Estimate(bandwidth=2 * phase / self.bytes_per_s, latency=4 * self.latency_s,
-                        cpu=merge + self.overhead_s)
+                        cpu=merge + self.overhead_s, shared=2 * crossing / self.machine_bytes_per_s)
 
     @staticmethod
     def ps_phase_bytes_placed(nbytes: float, worker_hosts: Sequence[Hashable],
@@ -173,8 +204,10 @@ class CostModel:
         """:meth:`ps_push_pull` for an explicit placement (see :meth:`ps_phase_bytes_placed`)."""
         phase = self.ps_phase_bytes_placed(nbytes, worker_hosts, server_hosts)
         merge = (len(worker_hosts) - 1) * nbytes / len(server_hosts) / self.reduce_bytes_per_s
+        share = nbytes / len(server_hosts)
+        crossing = sum(share for w in worker_hosts for s in server_hosts if w != s)
         return Estimate(bandwidth=2 * phase / self.bytes_per_s, latency=4 * self.latency_s,
-                        cpu=merge + self.overhead_s)
+                        cpu=merge + self.overhead_s, shared=2 * crossing / self.machine_bytes_per_s)
 
     def servers_to_match_ring(self, nbytes: float, workers: int, tolerance: float = 1.1,
                               colocated: bool = False, max_servers: int | None = None) -> int | None:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import shlex
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from hora.bench.emulate import Emulation, Placement, emulated_hosts
+from hora.bench.emulate import Emulation, LinkCalibration, Placement, emulated_hosts
 from hora.bench.jobs import JobSpec
 from hora.bench.model import CostModel, measure_loopback_latency, measure_loopback_rate, measure_reduce_rate
 from hora.bench.units import parse_duration, parse_rate
@@ -33,6 +34,8 @@ class RunOptions:
         timeout_s: limit for each job.
         emulation: run on an emulated cluster instead (``--emulate-hosts``).
         progress: show progress bars.
+        calibrate: measure the emulated links and machine once for the cost
+            model (``--no-calibrate`` keeps the nominal link rate).
     """
 
     hosts: str | None = None
@@ -41,6 +44,7 @@ class RunOptions:
     timeout_s: float = 600.0
     emulation: Emulation | None = None
     progress: bool = True
+    calibrate: bool = True
 
     def __post_init__(self) -> None:
         if self.hosts is not None and self.hostfile is not None:
@@ -57,24 +61,28 @@ class RunOptions:
                    run_args=shlex.split(args.hora_run_args) if args.hora_run_args else (),
                    timeout_s=args.timeout,
                    emulation=Emulation.from_args(args.emulate_hosts, args.link, args.latency),
-                   progress=not args.no_progress)
+                   progress=not args.no_progress, calibrate=not getattr(args, "no_calibrate", False))
 
     def job(self, worker: str, args: Sequence[str], *, num_proc: int, controller: str = "gloo",
             num_servers: int = 0, placement: Placement | None = None) -> JobSpec:
         """A :class:`JobSpec` with this command's launcher options, run where ``placement`` says."""
         placement = placement or Placement(hosts=self.hosts)
+        hosts, server_hosts = placement.for_job(num_proc, num_servers)
         return JobSpec(worker=worker, args=list(args), num_proc=num_proc, controller=controller,
-                       num_servers=num_servers, hosts=placement.hosts, hostfile=self.hostfile,
+                       num_servers=num_servers, server_hosts=server_hosts, hosts=hosts, hostfile=self.hostfile,
                        run_args=[*placement.run_args, *self.run_args], timeout_s=self.timeout_s,
                        prefix=list(placement.prefix))
 
     @contextlib.contextmanager
-    def placement(self) -> Iterator[Placement]:
-        """Where the jobs run: on the emulated cluster while it is up, else on ``-H`` (or localhost)."""
+    def placement(self, given: Placement | None = None) -> Iterator[Placement]:
+        """Where the jobs run: ``given``, else the emulated cluster while it is up, else ``-H`` (or localhost)."""
+        if given is not None:
+            yield given
+            return
         if self.emulation is None:
             yield Placement(hosts=self.hosts)
             return
-        with emulated_hosts(self.emulation) as placement:
+        with emulated_hosts(self.emulation, calibrate_links=self.calibrate) as placement:
             yield placement
 
     @property
@@ -116,10 +124,23 @@ def cost_model(link: str | None, latency: str | None, options: RunOptions, cpu_t
     return CostModel(bandwidth_bps=bps, latency_s=latency_s, reduce_bytes_per_s=reduce_rate, overhead_s=overhead_s)
 
 
+def calibrated(model: CostModel, calibration: LinkCalibration | None, cpu_term: bool = True) -> CostModel:
+    """``model`` with an emulated cluster's measured link goodput and, with ``cpu_term``, the machine's rate.
+
+    Both are measured once per cluster (:func:`hora.bench.emulate.calibrate`),
+    never fitted to a measured row.
+    """
+    if calibration is None:
+        return model
+    machine = calibration.machine_bytes_per_s if cpu_term else math.inf
+    return dataclasses.replace(model, bandwidth_bps=calibration.goodput_bps, machine_bytes_per_s=machine)
+
+
 def model_doc(model: CostModel) -> dict[str, float]:
     """The model's parameters for the JSON document."""
     return {"bandwidth_bps": model.bandwidth_bps, "latency_s": model.latency_s,
-            "reduce_bytes_per_s": model.reduce_bytes_per_s, "overhead_s": model.overhead_s}
+            "reduce_bytes_per_s": model.reduce_bytes_per_s, "overhead_s": model.overhead_s,
+            "machine_bytes_per_s": model.machine_bytes_per_s}
 
 
 def ratio(measured: float | None, predicted: float | None) -> float | None:

@@ -21,11 +21,12 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from hora.bench.emulate import Placement
 from hora.bench.jobs import JobOutput, run_job
 from hora.bench.kvstore import layout
 from hora.bench.model import CostModel
 from hora.bench.options import RunOptions, ratio
-from hora.bench.report import Progress, markdown_table
+from hora.bench.report import Progress, markdown_table, with_runs
 from hora.bench.units import fmt_bytes, fmt_ratio, fmt_seconds
 from hora.errors import ConfigError
 
@@ -77,12 +78,17 @@ class TrainConfig:
                 "--strategy", strategy]
 
 
-def run(config: TrainConfig, options: RunOptions, model: CostModel) -> list[dict[str, Any]]:
-    """Run every (strategy, N) job and return one row per job, with efficiencies filled in."""
+def run(config: TrainConfig, options: RunOptions, model: CostModel,
+        placement: Placement | None = None) -> list[dict[str, Any]]:
+    """Run every (strategy, N) job and return one row per job, with efficiencies filled in.
+
+    ``placement``: where the jobs run when the caller already chose (an
+    emulated cluster it started); None opens :meth:`RunOptions.placement`.
+    """
     rows: list[dict[str, Any]] = []
     jobs = [(s, n) for s in config.strategies for n in sorted(config.num_procs)]
     with Progress(len(jobs) * (config.iters + 1), "train", options.progress) as bar, \
-            options.placement() as placement:
+            options.placement(placement) as where:
         for strategy, n in jobs:
             bar.update(0, f"{strategy} np={n}")
             servers = (config.servers or n) if strategy == "ps" else 0
@@ -91,9 +97,9 @@ def run(config: TrainConfig, options: RunOptions, model: CostModel) -> list[dict
                 # every rank runs on this machine (emulated hosts share its cores): split them, never oversubscribe
                 args += ["--threads", str(max(1, (os.cpu_count() or 1) // n))]
             spec = options.job("train", args, num_proc=n, controller=config.backend, num_servers=servers,
-                               placement=placement)
+                               placement=where)
             out = run_job(spec, on_event=lambda e: bar.update(1) if e.get("event") == "progress" else None)
-            rows.append(row_from(out, strategy, n, servers, model, layout(placement.hosts, n, servers)))
+            rows.append(row_from(out, strategy, n, servers, model, layout(spec)))
     add_efficiency(rows)
     return rows
 
@@ -124,10 +130,13 @@ def row_from(out: JobOutput, strategy: str, n: int, servers: int, model: CostMod
     else:
         comm = model.ps_push_pull(nbytes, n, servers).total
     predicted_step = compute + comm
-    return {"strategy": strategy, "np": n, "servers": servers, "model": first["model"], "batch_size": batch,
+    sampled = next((r["host_cpu"] for _, r in sorted(results.items()) if r.get("host_cpu")), {})
+    busy = {f"host_busy_{phase}": use["busy"] for phase, use in sampled.items() if use}
+    return {**busy, "strategy": strategy, "np": n, "servers": servers, "model": first["model"], "batch_size": batch,
             "param_bytes": nbytes, "step_s": step, "compute_s": compute, "img_s": n * batch / step,
             "predicted_comm_s": comm, "predicted_step_s": predicted_step,
-            "predicted_img_s": n * batch / predicted_step, "ratio": ratio(step, predicted_step)}
+            "predicted_img_s": n * batch / predicted_step, "ratio": ratio(step, predicted_step),
+            "exchange_efficiency": compute / step}
 
 
 def add_efficiency(rows: list[dict[str, Any]]) -> None:
@@ -150,11 +159,24 @@ def add_efficiency(rows: list[dict[str, Any]]) -> None:
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
-    """Markdown table: img/s, efficiency, step = compute + exchange, the model's step and measured/model."""
+    """Markdown table: img/s, efficiency, step, compute, compute/step, the model's step and efficiency, ratio.
+
+    ``efficiency`` is against one rank; ``compute/step`` is the measured
+    counterpart of the model's ``C / (C + T_comm)``: on a host whose ranks
+    share its cores, ``C`` itself grows with ``N`` and only this pair compares
+    the exchange alone.
+    """
     headers = ["strategy", "ranks", "servers", "gradients", "img/s", "efficiency", "step", "compute",
-               "model step", "model eff.", "measured/model"]
+               "compute/step", "model step", "model eff.", "measured/model", "CPU busy compute/train"]
     body = [[r["strategy"], str(r["np"]), str(r["servers"]) if r["servers"] else "—", fmt_bytes(r["param_bytes"]),
              f"{r['img_s']:.1f}", f"{100 * r['efficiency']:.0f}%", fmt_seconds(r["step_s"]),
-             fmt_seconds(r["compute_s"]), fmt_seconds(r["predicted_step_s"]),
-             f"{100 * r['predicted_efficiency']:.0f}%", fmt_ratio(r["ratio"])] for r in rows]
-    return markdown_table(headers, body)
+             fmt_seconds(r["compute_s"]), f"{100 * r['compute_s'] / r['step_s']:.0f}%",
+             fmt_seconds(r["predicted_step_s"]), f"{100 * r['predicted_efficiency']:.0f}%", fmt_ratio(r["ratio"]),
+             _busy(r)] for r in rows]
+    return markdown_table(*with_runs(headers, body, rows))
+
+
+def _busy(row: dict[str, Any]) -> str:
+    """``98%/95%``: the host's cores busy while the ranks computed alone, and while they trained."""
+    shares = [row.get(f"host_busy_{phase}") for phase in ("compute", "train")]
+    return "/".join("—" if v is None else f"{100 * v:.0f}%" for v in shares)

@@ -39,6 +39,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     size.add_argument("-s", "--num-servers", dest="num_servers", type=int, nargs="?", const=-1, metavar="N",
                       help="parameter servers (MXNet launch.py), started with one scheduler beside the workers; "
                            "-s alone means as many as workers (default: $DMLC_NUM_SERVER or 0)")
+    size.add_argument("--server-hosts", dest="server_hosts", metavar="HOSTS",
+                      help="host1,host2,...: run the parameter servers round-robin on these hosts, which may run "
+                           "no worker, so no worker shares a server's link (default: round-robin over the "
+                           "workers' hosts); the scheduler stays on rank 0's host")
     size.add_argument("-H", "--hosts", dest="hosts", metavar="HOSTS",
                       help="host1:slots,host2:slots (horovodrun), or a hostfile path (MXNet launch.py)")
     size.add_argument("--hostfile", dest="hostfile", metavar="FILE",
@@ -128,6 +132,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         controller=args.controller,
         launcher=args.launcher,
         num_servers=num_servers,
+        server_hosts=args.server_hosts,
         fusion_threshold_mb=args.fusion_threshold_mb,
         cycle_time_ms=args.cycle_time_ms,
         timeline_filename=args.timeline_filename,

@@ -208,6 +208,9 @@ class LaunchConfig:
             chooses with :func:`detect_launcher`.
         num_servers: parameter servers (MXNet's ``-s``); ``-1`` means as many
             as workers.  With servers, one scheduler runs too.
+        server_hosts: hosts for the servers (``--server-hosts``), which go
+            round-robin over them; None puts them round-robin over the
+            workers' hosts.  A string is a comma-separated list of names.
         fusion_threshold_mb: engine fusion buffer size, exported as
             ``HORA_FUSION_THRESHOLD`` in bytes.
         cycle_time_ms: engine cycle time, exported as ``HORA_CYCLE_TIME``.
@@ -240,6 +243,7 @@ class LaunchConfig:
     controller: str | None = None
     launcher: str | None = None
     num_servers: int = 0
+    server_hosts: tuple[str, ...] | str | None = None
     fusion_threshold_mb: float | None = None
     cycle_time_ms: float | None = None
     timeline_filename: str | None = None
@@ -266,6 +270,7 @@ class LaunchConfig:
         if self.num_proc < 1:
             raise ConfigError(f"-np {self.num_proc} must be at least 1")
         self._check_hosts()
+        self._check_server_hosts()
         self._check_strategy()
         self._check_knobs()
         self._check_ssh()
@@ -298,13 +303,32 @@ class LaunchConfig:
                 f"-H {','.join(map(str, self.hosts))}; lower -np or add slots"
             )
 
+    def _check_server_hosts(self) -> None:
+        if self.server_hosts is None:
+            return
+        names = self.server_hosts.split(",") if isinstance(self.server_hosts, str) else list(self.server_hosts)
+        where = f"--server-hosts {','.join(names)}"
+        checked = []
+        for name in (n.strip() for n in names):
+            if not name:
+                raise ConfigError(f"{where} has an empty host entry")
+            if ":" in name and _split_entry(name)[1] is not None:
+                raise ConfigError(f"{where}: give host names without slot counts ({name!r}); the servers go "
+                                  "round-robin over the hosts, so list a host twice to give it two servers")
+            checked.append(check_host_name(name, where))
+        if not checked:
+            raise ConfigError("--server-hosts lists no hosts: give host1,host2,... or leave it out")
+        self.server_hosts = tuple(checked)
+
     def _check_strategy(self) -> None:
         if self.controller is not None and self.controller not in CONTROLLERS:
             raise ConfigError(f"controller {self.controller!r} is not one of {', '.join(CONTROLLERS)}")
         if self.launcher is not None and self.launcher not in AVAILABLE_LAUNCHERS:
             raise ConfigError(f"--launcher {self.launcher!r} is not one of {', '.join(AVAILABLE_LAUNCHERS)}")
         if self.launcher is None:
-            self.launcher = detect_launcher(self.hosts, self.controller)  # type: ignore[arg-type]
+            every_host = None if self.hosts is None and not self.server_hosts else (
+                *self.host_list, *(HostSlots(h, 1) for h in self.server_host_list))
+            self.launcher = detect_launcher(every_host, self.controller)
         if self.controller is None:
             self.controller = "mpi" if self.launcher == "mpi" else "gloo"
         if self.controller == "mpi" and self.launcher != "mpi":
@@ -315,7 +339,7 @@ class LaunchConfig:
         if self.launcher == "mpi" and self.controller != "mpi":
             raise ConfigError("--launcher mpi runs the MPI controller; drop --gloo or use --launcher local or ssh")
         if self.launcher == "local":
-            remote = [h.host for h in self.host_list if not is_local_host(h.host)]
+            remote = [h for h in (*(h.host for h in self.host_list), *self.server_host_list) if not is_local_host(h)]
             if remote:
                 raise ConfigError(
                     f"--launcher local only starts processes on this machine, but the hosts include "
@@ -327,6 +351,9 @@ class LaunchConfig:
             raise ConfigError(f"-s {self.num_servers} must be >= 0 (or -s alone for as many servers as workers)")
         if self.num_servers == -1:
             self.num_servers = self.num_proc
+        if self.server_hosts and self.num_servers == 0:
+            raise ConfigError(f"--server-hosts {','.join(self.server_host_list)} places parameter servers, but "
+                              "none are started: add -s N")
         if self.num_servers > 0 and self.launcher in ("mpi", "slurm"):
             raise ConfigError(
                 f"-s {self.num_servers}: parameter servers are started by the local and ssh launchers, "
@@ -379,3 +406,8 @@ class LaunchConfig:
         if self.hosts is None:
             return (HostSlots("localhost", self.num_proc),)
         return self.hosts  # type: ignore[return-value]
+
+    @property
+    def server_host_list(self) -> tuple[str, ...]:
+        """The ``--server-hosts`` names, empty when the servers share the workers' hosts."""
+        return self.server_hosts if isinstance(self.server_hosts, tuple) else ()

@@ -4,7 +4,9 @@ Workers fill the hosts in order, each host up to its slots, so the ranks of
 one host are consecutive (Horovod's placement).  With parameter servers
 (``-s S``) the scheduler runs on rank 0's host and server ``i`` on host
 ``i mod H`` of the host list (MXNet's ssh launcher places them round-robin
-the same way).  Servers and the scheduler run ``python -m
+the same way), or, with ``--server-hosts``, on host ``i mod K`` of those K
+hosts, which may be hosts that run no worker: then no worker shares a
+server's link, as in the parameter-server papers' set-ups.  Servers and the scheduler run ``python -m
 hora.kvstore.ps.node``; their role comes from ``DMLC_ROLE``.
 """
 
@@ -59,6 +61,9 @@ def plan_slots(config: LaunchConfig) -> list[Slot]:
     workers = assign_ranks(hosts, config.num_proc)
     if config.num_servers == 0:
         return workers
+    server_hosts = [socket.gethostname() if is_local_host(h) else h for h in config.server_host_list]
+    if not server_hosts:
+        server_hosts = [h.host for h in hosts]
     plan = [
         Slot(rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1, host=workers[0].host,
              role=SCHEDULER)
@@ -66,7 +71,7 @@ def plan_slots(config: LaunchConfig) -> list[Slot]:
     for index in range(config.num_servers):
         plan.append(
             Slot(rank=index, size=config.num_servers, local_rank=0, local_size=1, cross_rank=0, cross_size=1,
-                 host=hosts[index % len(hosts)].host, role=SERVER)
+                 host=server_hosts[index % len(server_hosts)], role=SERVER)
         )
     return plan + workers
 

@@ -167,3 +167,25 @@ def test_placed_servers_match_the_closed_forms():
     assert m.ps_push_pull_placed(s, ["a", "a"], ["a"]).bandwidth == 0.0
     # two workers on one host share its link
     assert m.ps_phase_bytes_placed(s, ["a", "a"], ["b"]) == pytest.approx(2 * s)
+
+
+def test_shared_machine_term_is_a_roofline_beside_the_link():
+    s = 1e9
+    shared = model("8gbit", machine_bytes_per_s=4 * GB)  # links 1e9 B/s; the machine moves 4e9 B/s in all
+    ring = shared.ring_allreduce(s, 8)
+    assert ring.shared == pytest.approx(2 * 7 * s / (4 * GB))  # 2(N-1)*S bytes cross links in all
+    assert ring.bandwidth == pytest.approx(1.75)
+    assert (ring.bound, ring.total) == ("cpu", pytest.approx(3.5))  # max, not the sum
+    ps = shared.ps_push_pull(s, 8, 8)
+    assert ps.shared == pytest.approx(2 * 8 * s / (4 * GB)) and ps.total == pytest.approx(4.0)
+    one = shared.ps_push_pull(s, 8, 1)
+    assert (one.bound, one.total) == ("link", pytest.approx(16.0))  # one server's link still binds
+    # colocated servers keep one worker's worth of each phase off the links
+    assert shared.ps_push_pull(s, 8, 8, colocated=True).shared == pytest.approx(2 * 7 * s / (4 * GB))
+    placed = shared.ps_push_pull_placed(s, ["h1", "h2"], ["h1", "h3"])
+    assert placed.shared == pytest.approx(2 * 1.5 * s / (4 * GB))  # h1's half to its own server stays local
+    # without a shared machine (real hosts, hora bench plan) the term is zero and nothing changes
+    plain = model("8gbit").ring_allreduce(s, 8)
+    assert (plain.shared, plain.bound, plain.total) == (0.0, "link", pytest.approx(1.75))
+    with pytest.raises(ConfigError, match="machine transfer rate"):
+        model("8gbit", machine_bytes_per_s=0)

@@ -169,6 +169,52 @@ def test_servers_round_robin_and_scheduler_on_rank_zero_host():
     ]  # -s alone: as many servers as workers
 
 
+def test_server_hosts_place_the_servers_on_hosts_of_their_own():
+    slots = plan_slots(config(num_proc=4, hosts="a:2,b:2", num_servers=3, server_hosts="c,d"))
+    assert [(s.role, s.rank, s.host) for s in slots] == [
+        (SCHEDULER, 0, "a"),  # the scheduler stays with rank 0
+        (SERVER, 0, "c"), (SERVER, 1, "d"), (SERVER, 2, "c"),  # round-robin over --server-hosts only
+        (WORKER, 0, "a"), (WORKER, 1, "a"), (WORKER, 2, "b"), (WORKER, 3, "b"),
+    ]
+    assert {s.local_size for s in slots if s.role == WORKER} == {2}  # servers do not count as local workers
+    cli = parse("-np", "2", "-H", "a:1,b:1", "-s", "2", "--server-hosts", "c, d", "python", "x.py")
+    assert (cli.server_hosts, cli.launcher) == (("c", "d"), "ssh")
+    # a host may run workers and servers; listing it twice gives it two servers
+    both = plan_slots(config(num_proc=2, hosts="a:2", num_servers=3, server_hosts=("a", "a", "b")))
+    assert [s.host for s in both if s.role == SERVER] == ["a", "a", "b"]
+    # without --server-hosts the servers go round-robin over the workers' hosts, as before
+    assert [s.host for s in plan_slots(config(num_proc=4, hosts="a:2,b:2", num_servers=3))
+            if s.role == SERVER] == ["a", "b", "a"]
+
+
+def test_server_hosts_choose_the_launcher_and_name_this_machine():
+    # only the servers are elsewhere: that still needs ssh
+    assert config(num_proc=2, num_servers=1, server_hosts="far").launcher == "ssh"
+    local = config(num_proc=2, num_servers=2, server_hosts="localhost,127.0.0.1")
+    assert local.launcher == "local"
+    import socket
+
+    assert [s.host for s in plan_slots(local) if s.role == SERVER] == [socket.gethostname()] * 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"server_hosts": "c"}, r"--server-hosts c places parameter servers, but none are started: add -s N"),
+        ({"num_servers": 1, "server_hosts": "c:2"}, r"without slot counts \('c:2'\).*list a host twice"),
+        ({"num_servers": 1, "server_hosts": "c,,d"}, r"--server-hosts c,,d has an empty host entry"),
+        ({"num_servers": 1, "server_hosts": "-oProxy=x"},
+         r"host '-oProxy=x' in '--server-hosts -oProxy=x' is malformed"),
+        ({"num_servers": 1, "server_hosts": "far", "launcher": "local"},
+         r"--launcher local only starts processes on this machine, but the hosts include 'far'"),
+        ({"num_servers": 1, "server_hosts": ()}, r"--server-hosts lists no hosts: give host1,host2"),
+    ],
+)
+def test_bad_server_hosts_are_config_errors(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        config(num_proc=2, **kwargs)
+
+
 def test_build_env_parameter_server_variables():
     cfg = config(num_proc=3, num_servers=2, network_interface="lo")
     base = {"PATH": "/bin", "DMLC_ROLE": "server", "DMLC_NODE_HOST": "stale", "HOROVOD_RANK": "5"}

@@ -104,3 +104,28 @@ def find_server(launcher_pid: int, timeout: float = 30) -> int:
                 continue
         time.sleep(0.1)
     raise AssertionError("no server process found")
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_server_hosts_put_the_servers_on_a_host_without_workers(clean_env):
+    """On an emulated 3-host cluster: 2 workers on h1 and h2, ``--server-hosts h3`` puts both servers on h3."""
+    emulate = pytest.importorskip("hora.runner.emulate")
+    try:
+        cluster = emulate.EmulatedCluster(3).start()
+    except emulate.ClusterUnavailable as e:
+        pytest.skip(f"no emulated cluster on this machine: {e}")
+    try:
+        env = clean_env({"PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+        argv = [PY, "-m", "hora.runner.cli", "run", "--ssh-config-file", cluster.ssh_config, "-np", "2",
+                "-H", "h1,h2", "-s", "2", "--server-hosts", "h3", "--verbose", PY, str(SCRIPTS / "ps_sum.py")]
+        result = cluster.run("h1", argv, timeout=120, env=env)
+    finally:
+        cluster.close()
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "scheduler on h1, server 0 on h3, server 1 on h3" in result.stderr
+    h3 = re.escape(cluster.host("h3").addr)
+    assert len(re.findall(rf"^\[server \d\]<stderr>:.*serving at tcp://{h3}:\d+", result.stderr, re.M)) == 2
+    oks = sorted(line.split(":", 1)[1] for line in result.stdout.splitlines() if "sums ok" in line)
+    assert oks == [f"worker {r} of 2 on h{r + 1}: dist_sync sums ok" for r in range(2)]

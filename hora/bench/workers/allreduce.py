@@ -14,6 +14,7 @@ import sys
 import time
 
 from hora.bench.jobs import emit
+from hora.bench.workers import cpu_use, host_cpu
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, size = hvd.rank(), hvd.size()
     sizes = [int(s) for s in args.sizes.split(",")]
     times: dict[str, list[float]] = {}
+    cpu: dict[str, dict[str, float] | None] = {}
     for i, nbytes in enumerate(sizes):
         buf = torch.full((nbytes // 4,), float(rank + 1), dtype=torch.float32)
         name = f"bench.allreduce.{nbytes}"
@@ -49,15 +51,18 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.warmup):
             hvd.allreduce_(buf, op=hvd.Sum, name=name)
         ts = []
+        before = host_cpu()
         for _ in range(args.iters):
             hvd.barrier()
             t0 = time.perf_counter()
             hvd.allreduce_(buf, op=hvd.Sum, name=name)
             ts.append(time.perf_counter() - t0)
         times[str(nbytes)] = ts
+        cpu[str(nbytes)] = cpu_use(before, host_cpu(), args.iters)
         if rank == 0:
             emit("progress", done=i + 1, total=len(sizes), bytes=nbytes)
-    emit("result", rank=rank, size=size, controller="mpi" if hvd.mpi_enabled() else "gloo", times=times)
+    emit("result", rank=rank, size=size, controller="mpi" if hvd.mpi_enabled() else "gloo", times=times,
+         host_cpu=cpu)
     hvd.shutdown()
     return 0
 

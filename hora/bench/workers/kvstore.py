@@ -16,6 +16,7 @@ import sys
 import time
 
 from hora.bench.jobs import emit
+from hora.bench.workers import cpu_use, host_cpu
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, workers = kv.rank, kv.num_workers
     sizes = [int(s) for s in args.sizes.split(",")]
     times: dict[str, list[float]] = {}
+    cpu: dict[str, dict[str, float] | None] = {}
     try:
         for key, nbytes in enumerate(sizes):
             n = nbytes // 4
@@ -47,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
             ts = []
             for i in range(args.warmup + args.iters):
                 kv.barrier()
+                if i == args.warmup:
+                    before = host_cpu()
                 t0 = time.perf_counter()
                 kv.push(key, grad)
                 kv.pull(key, out=out)
@@ -57,9 +61,10 @@ def main(argv: list[str] | None = None) -> int:
                 if i >= args.warmup:
                     ts.append(dt)
             times[str(nbytes)] = ts
+            cpu[str(nbytes)] = cpu_use(before, host_cpu(), args.iters)
             if rank == 0:
                 emit("progress", done=key + 1, total=len(sizes), bytes=nbytes)
-        emit("result", rank=rank, workers=workers, kvstore=args.kvstore, times=times)
+        emit("result", rank=rank, workers=workers, kvstore=args.kvstore, times=times, host_cpu=cpu)
     finally:
         kv.close()
     return 0

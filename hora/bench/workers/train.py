@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from hora.bench.jobs import emit
+from hora.bench.workers import cpu_use, host_cpu
 
 EXAMPLE_MODELS = Path(__file__).resolve().parents[3] / "examples" / "torch" / "models.py"
 
@@ -39,7 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed distributed steps")
     p.add_argument("--steps", type=int, default=5, help="steps per timed iteration")
     p.add_argument("--iters", type=int, default=3, help="timed iterations")
-    p.add_argument("--compute-steps", type=int, default=3, help="local steps timed for the compute time")
+    p.add_argument("--compute-steps", type=int, default=5,
+                   help="local steps timed one by one; their median is the compute time")
     p.add_argument("--strategy", choices=("allreduce", "ps"), default="allreduce")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per rank (0: the host's cores over its local ranks)")
@@ -87,10 +90,13 @@ def main(argv: list[str] | None = None) -> int:
 
     step()  # first-call allocations
     hvd.barrier()
-    t0 = time.perf_counter()
+    before, local_steps = host_cpu(), []
     for _ in range(args.compute_steps):
+        t0 = time.perf_counter()
         step()
-    compute_s = (time.perf_counter() - t0) / args.compute_steps
+        local_steps.append(time.perf_counter() - t0)
+    compute_s = statistics.median(local_steps)  # a burst of other load on the machine moves one step, not C
+    compute_cpu = cpu_use(before, host_cpu(), args.compute_steps)
     if rank == 0:
         emit("progress", phase="compute", compute_s=compute_s)
 
@@ -103,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.warmup):
         step()
     step_times = []
+    before = host_cpu()
     for i in range(args.iters):
         hvd.barrier()
         t0 = time.perf_counter()
@@ -111,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         step_times.append((time.perf_counter() - t0) / args.steps)
         if rank == 0:
             emit("progress", phase="train", done=i + 1, total=args.iters)
+    train_cpu = cpu_use(before, host_cpu(), args.iters * args.steps)
     emit("result", rank=rank, size=size, step_times=step_times, compute_s=compute_s, param_bytes=param_bytes,
-         batch_size=args.batch_size, model=args.model, strategy=args.strategy)
+         batch_size=args.batch_size, model=args.model, strategy=args.strategy,
+         host_cpu={"compute": compute_cpu, "train": train_cpu})
     hvd.shutdown()
     return 0
 
