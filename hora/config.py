@@ -245,7 +245,10 @@ class PSConfig:
             (``HORA_PS_PART_BYTES``).
         resend_timeout_ms: an unanswered request is sent again after this
             long, doubling each time; 0 never resends (``HORA_PS_RESEND_TIMEOUT_MS``,
-            ``PS_RESEND_TIMEOUT``).
+            ``PS_RESEND_TIMEOUT``).  ZeroMQ over TCP loses nothing while a
+            connection lives, and a dist_sync push is answered only once every
+            worker's push has arrived, so the default is generous (10 s):
+            a short one resends on slow links, only adding load.
         timeout_s: a peer silent for this long is declared dead and every
             worker's pending and later calls raise (``HORA_PS_TIMEOUT``,
             ``PS_HEARTBEAT_TIMEOUT``).
@@ -276,7 +279,7 @@ class PSConfig:
     secret: str | None = None
     bigarray_bound: int = 1_000_000
     part_bytes: int = 4 * MiB
-    resend_timeout_ms: float = 2000.0
+    resend_timeout_ms: float = 10000.0
     timeout_s: float = 60.0
     heartbeat_s: float | None = None
     start_timeout_s: float = 120.0
@@ -357,7 +360,7 @@ class PSConfig:
             secret=_lookup(env, "HORA_SECRET"),
             bigarray_bound=_as_int(env, ("HORA_PS_BIGARRAY_BOUND", "MXNET_KVSTORE_BIGARRAY_BOUND"), 1_000_000),
             part_bytes=_as_int(env, ("HORA_PS_PART_BYTES",), 4 * MiB),
-            resend_timeout_ms=_as_float(env, ("HORA_PS_RESEND_TIMEOUT_MS", "PS_RESEND_TIMEOUT"), 2000.0),
+            resend_timeout_ms=_as_float(env, ("HORA_PS_RESEND_TIMEOUT_MS", "PS_RESEND_TIMEOUT"), 10000.0),
             timeout_s=_as_float(env, ("HORA_PS_TIMEOUT", "PS_HEARTBEAT_TIMEOUT"), 60.0),
             heartbeat_s=(None if _lookup(env, "HORA_PS_HEARTBEAT_INTERVAL", "PS_HEARTBEAT_INTERVAL") is None
                          else _as_float(env, ("HORA_PS_HEARTBEAT_INTERVAL", "PS_HEARTBEAT_INTERVAL"), 1.0)),

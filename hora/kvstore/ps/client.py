@@ -39,7 +39,7 @@ from hora.kvstore.ps.wire import Cmd, Message, WireError
 log = logging.getLogger(__name__)
 
 SCHEDULER = -1  # ``dst`` of requests to the scheduler; servers are 0..S-1
-_BYTES_PER_S = 100e6  # resend allowance for the time a large request spends on the wire
+_BYTES_PER_S = 10e6  # resend allowance for a large request's time on the wire: a 100 Mbit/s link
 _INLINE_BYTES = 64 * 1024  # smaller replies are verified on the network thread itself
 _PUSH_BUFFERS = 2  # shared-memory push segments per key and server: one in flight while the next is filled
 
