@@ -152,6 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     for raw in raw_mxnet:
         rss = ", ".join(f"{x:.0f}" for x in raw["server_peak_rss_mib"] if x is not None)
         print(f"\nMXNet {raw['servers']} server(s): peak RSS {rss} MiB each", end="")
+    seen: set[int] = set()
+    for row in rows:  # one hora job per server count carries every size: report each job once
+        if row.get("kvstore") == "dist_sync" and row["servers"] not in seen and row.get("server_peak_rss_mib"):
+            seen.add(row["servers"])
+            rss = ", ".join(f"{x:.0f}" for x in row["server_peak_rss_mib"])
+            stored = ", ".join(f"{x:.0f}" for x in row["server_stored_mib"])
+            print(f"\nhora {row['servers']} server(s): peak RSS {rss} MiB each, holding {stored} MiB", end="")
     print()
     for line in skipped:
         print(f"\n{line}")

@@ -125,6 +125,8 @@ class JobOutput:
     events: list[dict[str, Any]]
     tail: list[str]
     seconds: float
+    #: (peak RSS, stored bytes) that each parameter server logged when it exited
+    server_memory: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     def results(self) -> dict[int, dict[str, Any]]:
         """The ``result`` event of each rank that sent one, by rank."""
@@ -162,6 +164,7 @@ def run_job(spec: JobSpec, on_event: Callable[[dict[str, Any]], None] | None = N
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     events: list[dict[str, Any]] = []
+    server_memory: list[tuple[int, int]] = []
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     deadline = t0 + spec.timeout_s
     timed_out = False
@@ -179,6 +182,9 @@ def run_job(spec: JobSpec, on_event: Callable[[dict[str, Any]], None] | None = N
                 break
             event = parse_event(line)
             if event is None:
+                memory = _SERVER_MEMORY.search(line)
+                if memory is not None:
+                    server_memory.append((int(memory.group(1)), int(memory.group(2))))
                 tail.append(line)
                 if echo is not None:
                     echo(line)
@@ -204,7 +210,11 @@ def run_job(spec: JobSpec, on_event: Callable[[dict[str, Any]], None] | None = N
     if proc.returncode != 0:
         raise LaunchError(f"benchmark job exited with status {proc.returncode}: {shlex.join(cmd)}\n"
                           + "\n".join(tail))
-    return JobOutput(events=events, tail=list(tail), seconds=seconds)
+    return JobOutput(events=events, tail=list(tail), seconds=seconds, server_memory=server_memory)
+
+
+# What hora.kvstore.ps.server logs as it exits.
+_SERVER_MEMORY = re.compile(r"peak RSS (\d+) bytes for (\d+) bytes of stored values")
 
 
 def parse_event(line: str) -> dict[str, Any] | None:

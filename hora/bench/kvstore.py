@@ -180,6 +180,8 @@ def run(config: KVStoreConfig, options: RunOptions, model: CostModel, skipped: l
             if len(results) != workers:
                 raise ConfigError(f"{kvstore} -s {servers}: {len(results)} of {workers} workers reported")
             placed = layout(spec)
+            memory = {"server_peak_rss_mib": [rss / 2**20 for rss, _ in out.server_memory],
+                      "server_stored_mib": [stored / 2**20 for _, stored in out.server_memory]}
             for nbytes in config.sizes:
                 t, t_min = slowest_rank_median(results, str(nbytes))
                 est = estimate(model, kvstore, nbytes, workers, servers, placed)
@@ -187,7 +189,7 @@ def run(config: KVStoreConfig, options: RunOptions, model: CostModel, skipped: l
                 rows.append({"system": f"hora {kvstore}", "kvstore": kvstore, "workers": workers,
                              "servers": servers, "bytes": nbytes, "time_s": t, "min_s": t_min,
                              "predicted_s": predicted, "ratio": ratio(t, predicted), "bound": est.bound,
-                             "server_hosts": placed[1] if placed else None,
+                             "server_hosts": placed[1] if placed else None, **memory,
                              **host_cpu_of(results, str(nbytes))})
     add_comparisons(rows)
     return rows
