@@ -35,9 +35,7 @@ from hora.core.ops import CollectiveType, ReduceOp
 from hora.core.request import Entry, Handle, Request
 from hora.errors import ConfigError, HoraError
 from hora.kvstore.arrays import Array, converted, copy_into, copy_of, device_of, dtype_name, numpy_of, shape_of
-from hora.kvstore.base import KVStore
-from hora.kvstore.compression import Compressor, create_compressor
-from hora.kvstore.optimizer import Optimizer, Updater, updater_for
+from hora.kvstore.held import HeldKVStore
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +52,7 @@ class _Pending:
     compressed: bool
 
 
-class AllreduceKVStore(KVStore):
+class AllreduceKVStore(HeldKVStore):
     """The ``dist_sync_allreduce`` store.  Create it with ``hora.kvstore.create('dist_sync_allreduce')``.
 
     Every rank must create its stores in the same order and call ``init``,
@@ -67,10 +65,7 @@ class AllreduceKVStore(KVStore):
         super().__init__(kv_type)
         runtime.init()  # idempotent: joins the running engine when there is one
         self._prefix = f"kvstore{next(_store_ids)}"
-        self._store: dict[str, Array] = {}
         self._pending: dict[str, _Pending] = {}
-        self._updater: Updater | None = None
-        self._compressor: Compressor | None = None
 
     # --- identity ---------------------------------------------------------------------------------
     @property
@@ -84,35 +79,11 @@ class AllreduceKVStore(KVStore):
         return runtime.current().engine.size
 
     # --- MXNet API ------------------------------------------------------------------------------
-    def set_optimizer(self, optimizer: Optimizer | dict | str) -> None:
-        """Run ``optimizer`` on every rank after each key's allreduce (an Optimizer, spec dict or name)."""
-        self._settle_all()
-        self._updater = updater_for(optimizer)
-
-    def set_gradient_compression(self, compression_params: dict[str, Any]) -> None:
-        """Compress pushes (``{'type': '2bit', 'threshold': t}``); the same params on every rank."""
-        self._settle_all()
-        self._compressor = create_compressor(compression_params)
-
     def barrier(self) -> None:
         """Finish this rank's pushes in flight, then wait until every rank reaches the barrier."""
         self._settle_all()
         rt = runtime.current()
         rt.submit(Request(rt.auto_name("barrier"), CollectiveType.BARRIER, []), wake=False).wait()
-
-    def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
-        """Write this rank's optimizer state (the same on every rank) to ``fname``."""
-        self._settle_all()
-        data = self._optimizer_updater("save").get_states(dump_optimizer)
-        with open(fname, "wb") as f:
-            f.write(data)
-
-    def load_optimizer_states(self, fname: str) -> None:
-        """Restore optimizer state; every rank should load the same file."""
-        self._settle_all()
-        updater = self._optimizer_updater("load")
-        with open(fname, "rb") as f:
-            updater.set_states(f.read())
 
     def close(self) -> None:
         """Finish pushes in flight (the engine keeps running).  Idempotent."""
@@ -187,13 +158,7 @@ class AllreduceKVStore(KVStore):
         merged = pending.merged
         if pending.compressed:
             merged = self._decode_all(key, result[0], merged)
-        stored = self._store[key]
-        if device_of(merged) != device_of(stored):
-            stored = self._store[key] = converted(stored, merged)  # the value follows the merge
-        if self._updater is None:
-            self._store[key] = merged
-        else:
-            self._updater(key, merged, stored)
+        self._apply(key, merged, self._store[key])
 
     def _decode_all(self, key: str, gathered: Any, like: Array) -> Array:
         words = numpy_of(gathered).view(np.uint32).reshape(self.num_workers, -1)
@@ -206,28 +171,6 @@ class AllreduceKVStore(KVStore):
     def _settle_all(self) -> None:
         for key in list(self._pending):
             self._settle(key)
-
-    def _user_key(self, key: str) -> Any:
-        return int(key) if self._key_kind is int else key
-
-    def _stored(self, key: str, what: str) -> Array:
-        stored = self._store.get(key)
-        if stored is None:
-            raise ConfigError(f"cannot {what} key {self._user_key(key)!r}: it has not been initialised; "
-                              "call init(key, value) first")
-        return stored
-
-    def _check_shapes(self, key: str, arrays: list[Array], stored: Array, what: str) -> None:
-        for i, a in enumerate(arrays):
-            if shape_of(a) != shape_of(stored):
-                raise ConfigError(f"key {self._user_key(key)!r}: {what} array {i} has shape {shape_of(a)} but "
-                                  f"the key was initialised with shape {shape_of(stored)}")
-
-    def _optimizer_updater(self, what: str) -> Updater:
-        if self._updater is None:
-            raise ConfigError(f"cannot {what} optimizer states: no optimizer is set on this KVStore "
-                              "(call set_optimizer() first)")
-        return self._updater
 
 
 __all__ = ["AllreduceKVStore"]

@@ -23,10 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hora.errors import ConfigError
-from hora.kvstore.arrays import Array, add_into, converted, copy_into, copy_of, device_of, numpy_of, shape_of
-from hora.kvstore.base import KVStore
-from hora.kvstore.compression import Compressor, create_compressor
-from hora.kvstore.optimizer import Optimizer, Updater, updater_for
+from hora.kvstore.arrays import Array, add_into, converted, copy_into, copy_of, device_of, numpy_of
+from hora.kvstore.held import HeldKVStore
 
 
 def check_work_load_list(work_load_list: Sequence[float]) -> list[float]:
@@ -67,7 +65,7 @@ def split_input_slice(batch_size: int, work_load_list: Sequence[float]) -> list[
     return slices
 
 
-class LocalKVStore(KVStore):
+class LocalKVStore(HeldKVStore):
     """The ``local`` / ``device`` store.  Create it with ``hora.kvstore.create('local')``.
 
     Args:
@@ -80,16 +78,9 @@ class LocalKVStore(KVStore):
         if kv_type not in ("local", "device"):
             raise ConfigError(f"LocalKVStore serves 'local' and 'device', not {kv_type!r}")
         super().__init__(kv_type)
-        self._store: dict[str, Array] = {}
-        self._updater: Callable[[Any, Array, Array], None] | None = None
-        self._compressor: Compressor | None = None
         self.work_load_list = None if work_load_list is None else check_work_load_list(work_load_list)
 
     # --- MXNet API ------------------------------------------------------------------------------
-    def set_optimizer(self, optimizer: Optimizer | dict | str) -> None:
-        """Run ``optimizer`` on every push (an Optimizer, its spec dict, or a name for :func:`create`)."""
-        self._updater = updater_for(optimizer)
-
     def _set_updater(self, updater: Callable[[Any, Array, Array], None]) -> None:
         """Use a custom ``updater(key, merged, stored)`` (MXNet's ``_set_updater``); key as the user gave it."""
         if not callable(updater):
@@ -101,19 +92,7 @@ class LocalKVStore(KVStore):
         if self._type == "local":
             raise ConfigError("gradient compression is not supported by the 'local' KVStore (MXNet neither); "
                               "use 'device' or a dist type")
-        self._compressor = create_compressor(compression_params)
-
-    def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
-        """Write every key's optimizer state to ``fname`` (with the optimizer's spec when asked)."""
-        data = self._optimizer_updater("save").get_states(dump_optimizer)
-        with open(fname, "wb") as f:
-            f.write(data)
-
-    def load_optimizer_states(self, fname: str) -> None:
-        """Restore optimizer state written by :meth:`save_optimizer_states`."""
-        updater = self._optimizer_updater("load")
-        with open(fname, "rb") as f:
-            updater.set_states(f.read())
+        super().set_gradient_compression(compression_params)
 
     def split_batch(self, batch_size: int, num_devices: int | None = None) -> list[slice]:
         """Slices of a batch per device, by ``work_load_list`` (even when none was given)."""
@@ -134,15 +113,7 @@ class LocalKVStore(KVStore):
         for key, vals in zip(keys, values, strict=True):
             stored = self._stored(key, "push")
             self._check_shapes(key, vals, stored, "pushed")
-            merged = self._reduce(key, vals, stored)
-            if self._type == "device" and device_of(merged) != device_of(stored):
-                stored = self._store[key] = converted(stored, merged)  # the value follows the merge
-            if self._updater is None:
-                self._store[key] = merged
-            elif isinstance(self._updater, Updater):
-                self._updater(key, merged, stored)
-            else:  # a custom updater sees the key as the user wrote it
-                self._updater(self._user_key(key), merged, stored)
+            self._apply(key, self._reduce(key, vals, stored), stored)
 
     def _pull(self, keys: list[str], outs: list[list[Array]], priority: int) -> None:
         for key, targets in zip(keys, outs, strict=True):
@@ -152,22 +123,6 @@ class LocalKVStore(KVStore):
                 copy_into(out, stored)
 
     # --- internals --------------------------------------------------------------------------------
-    def _user_key(self, key: str) -> Any:
-        return int(key) if self._key_kind is int else key
-
-    def _stored(self, key: str, what: str) -> Array:
-        stored = self._store.get(key)
-        if stored is None:
-            raise ConfigError(f"cannot {what} key {self._user_key(key)!r}: it has not been initialised; "
-                              "call init(key, value) first")
-        return stored
-
-    def _check_shapes(self, key: str, arrays: list[Array], stored: Array, what: str) -> None:
-        for i, a in enumerate(arrays):
-            if shape_of(a) != shape_of(stored):
-                raise ConfigError(f"key {self._user_key(key)!r}: {what} array {i} has shape {shape_of(a)} but "
-                                  f"the key was initialised with shape {shape_of(stored)}")
-
     def _reduce(self, key: str, vals: list[Array], stored: Array) -> Array:
         """The sum of ``vals`` as a fresh array of the key's dtype, on the CPU (``local``) or on
         the first value's device (``device``; a NumPy-initialised key always sums on the CPU)."""
@@ -185,12 +140,6 @@ class LocalKVStore(KVStore):
         packed = self._compressor.compress(name, host)
         decoded = self._compressor.decompress(packed, host.size).reshape(host.shape)
         return decoded if device_of(value) == "cpu" else converted(decoded, value)
-
-    def _optimizer_updater(self, what: str) -> Updater:
-        if not isinstance(self._updater, Updater):
-            raise ConfigError(f"cannot {what} optimizer states: no optimizer is set on this KVStore "
-                              "(call set_optimizer() first)")
-        return self._updater
 
 
 __all__ = ["LocalKVStore", "check_work_load_list", "split_input_slice"]
