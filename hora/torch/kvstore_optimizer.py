@@ -19,9 +19,8 @@ worker pulls them back, which is the KVStore way of broadcasting parameters.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -164,15 +163,6 @@ class _KVStoreOptimizer(_WrappedOptimizer):
         self._passes.clear()
         self._synchronized = True
 
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """Inside this block ``step()`` does not synchronize (call ``synchronize()`` yourself first)."""
-        self._should_synchronize = False
-        try:
-            yield
-        finally:
-            self._should_synchronize = True
-
     def step(self, closure=None):
         loss = None
         if self._server_update and closure is not None:
@@ -190,11 +180,6 @@ class _KVStoreOptimizer(_WrappedOptimizer):
             raise HoraError("optimizer.zero_grad() was called after loss.backward() but before optimizer.step(); "
                             "that would discard gradients already pushed to the KVStore")
         self._opt.zero_grad(set_to_none=set_to_none)
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
     def __repr__(self) -> str:
         where = "server" if self._server_update else "worker"

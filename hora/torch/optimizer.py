@@ -60,6 +60,23 @@ class _WrappedOptimizer(torch.optim.Optimizer):
     """
 
     _opt: torch.optim.Optimizer
+    _hooks: list
+    _should_synchronize: bool
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside this block, ``step()`` does not synchronize (call ``synchronize()`` yourself first)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks (the optimizer then behaves like the one it wraps)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     @property
     def param_groups(self) -> list[dict]:
@@ -271,15 +288,6 @@ class _DistributedOptimizer(_WrappedOptimizer):
         self._passes.clear()
         self._synchronized = True
 
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """Inside this block, ``step()`` does not synchronize (call ``synchronize()`` yourself first)."""
-        self._should_synchronize = False
-        try:
-            yield
-        finally:
-            self._should_synchronize = True
-
     def step(self, closure=None):
         if self._should_synchronize:
             if self._synchronized:
@@ -302,10 +310,6 @@ class _DistributedOptimizer(_WrappedOptimizer):
             )
         self._opt.zero_grad(set_to_none=set_to_none)
 
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's public name
