@@ -32,20 +32,13 @@ WORKLOADS = ("mlp", "resnet50")
 HERE = Path(__file__).resolve().parent
 
 
-def _status_mib(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def child(engine: str, workload: str, steps: int) -> None:
     """One rank of one job: build, train ``steps`` steps, print a JSON line."""
     import torch
     import torch.nn.functional as F
 
     sys.path.insert(0, str(HERE))
-    from common import load_example_models
+    from common import current_rss_mib, load_example_models, peak_rss_mib
 
     torch.set_num_threads(1)
     if engine == "ddp":
@@ -59,7 +52,7 @@ def child(engine: str, workload: str, steps: int) -> None:
 
         hvd.init()
         rank = hvd.rank()
-    before = _status_mib("VmRSS")
+    before = current_rss_mib()
 
     models = load_example_models()
     torch.manual_seed(0)
@@ -80,7 +73,7 @@ def child(engine: str, workload: str, steps: int) -> None:
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
-    print(json.dumps({"rank": rank, "peak_mib": _status_mib("VmHWM"), "before_model_mib": before,
+    print(json.dumps({"rank": rank, "peak_mib": peak_rss_mib(), "before_model_mib": before,
                       "grad_bytes": grad_bytes}), flush=True)
     if engine != "ddp":
         hvd.shutdown()
