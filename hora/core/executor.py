@@ -141,8 +141,7 @@ class Executor:
                 self._add_allreduce(ready, sig, request, buckets, order)
             else:
                 self._run_one(ready, sig, request)
-        for bucket in order:
-            self._flush(bucket)
+        self._reduce(order)
         for ready, request in items:
             if request is not None and ready.first().kind == CollectiveType.ALLREDUCE:
                 outputs = [e.output for e in request.entries]
@@ -162,6 +161,10 @@ class Executor:
         if plan is None:
             plan = ready.plan = self._plan_allreduce(ready, sig)
         device = self._device(sig.device, request)
+        backend = self._backend_for(sig.device)
+        limit = self.fusion_threshold
+        if backend.concurrent and backend.bucket_bytes:
+            limit = min(limit, backend.bucket_bytes)
         for i, (dtype, shape, compute, op, post, key, nbytes, solo) in enumerate(plan):
             if request is not None:
                 entry = request.entries[i]
@@ -174,7 +177,7 @@ class Executor:
                 order.append(_Bucket(key, compute, op, sig.prescale, post, pset, [slot], nbytes))
                 continue
             bucket = buckets.get(key)
-            if bucket is None or bucket.nbytes + nbytes > self.fusion_threshold:
+            if bucket is None or bucket.nbytes + nbytes > limit:
                 bucket = _Bucket(key, compute, op, sig.prescale, post, pset)
                 buckets[key] = bucket
                 order.append(bucket)
@@ -209,30 +212,72 @@ class Executor:
             plan.append((dtype, tuple(shape), compute, op, post, key, nbytes, solo))
         return plan
 
-    def _flush(self, bucket: _Bucket) -> None:
-        device = bucket.slots[0].source.device
-        backend = self._backend_for(device.type)
-        group = self._group(bucket.pset, backend)
-        if len(bucket.slots) == 1:
-            self._allreduce_direct(bucket, bucket.slots[0], backend, group)
-            return
-        total = sum(s.source.numel() for s in bucket.slots)
-        buf = self._fusion_buffer(bucket.compute_dtype, device, total)
-        offset = 0
-        for s in bucket.slots:
-            n = s.source.numel()
-            buf[offset : offset + n].view(s.source.shape).copy_(s.source)
-            offset += n
-        scale_(buf, bucket.prescale)
-        backend.allreduce_(buf, bucket.op, group)
-        scale_(buf, bucket.postscale)
-        offset = 0
-        for s in bucket.slots:
-            n = s.source.numel()
-            s.output.copy_(buf[offset : offset + n].view(s.source.shape))
-            offset += n
+    def _reduce(self, order: Sequence[_Bucket]) -> None:
+        """Reduce every bucket of the round, in the same order on every rank.
 
-    def _allreduce_direct(self, bucket: _Bucket, slot: _Slot, backend: Backend, group: Any) -> None:
+        On a backend that runs collectives concurrently (gloo) every bucket is
+        started before any is waited for: one collective's latency hides
+        behind the others' transfers, and packing a fused bucket overlaps the
+        reduction of the ones before it.  Each fused bucket in flight needs a
+        region of the fusion buffer of its own; when the buffer (the fusion
+        threshold) is full, what is in flight is finished first.  Elsewhere
+        each bucket is finished before the next starts.
+        """
+        in_flight: list[Callable[[], None]] = []
+        claimed: dict[tuple[torch.dtype, str], int] = {}  # fusion-buffer elements held by buckets in flight
+        for bucket in order:
+            device = bucket.slots[0].source.device
+            backend = self._backend_for(device.type)
+            group = self._group(bucket.pset, backend)
+            if len(bucket.slots) == 1:
+                finish = self._start_direct(bucket, bucket.slots[0], backend, group)
+            else:
+                numel = sum(s.source.numel() for s in bucket.slots)
+                key = (bucket.compute_dtype, str(device))
+                offset = claimed.get(key, 0)
+                if offset and offset + numel > self.fusion_threshold // itemsize(bucket.compute_dtype):
+                    for f in in_flight:
+                        f()
+                    in_flight.clear()
+                    claimed.clear()
+                    offset = 0
+                buf = self._fusion_buffer(bucket.compute_dtype, device, offset + numel)[offset : offset + numel]
+                claimed[key] = offset + numel
+                finish = self._start_fused(bucket, buf, backend, group)
+            if backend.concurrent:
+                in_flight.append(finish)
+            else:
+                finish()
+                claimed.clear()
+        for finish in in_flight:
+            finish()
+
+    def _start_fused(self, bucket: _Bucket, buf: torch.Tensor, backend: Backend, group: Any) -> Callable[[], None]:
+        """Pack the bucket into ``buf`` and start its allreduce; returns what finishes it.
+
+        Packing and unpacking are one torch call each (``cat``, ``_foreach_copy_``):
+        a slice-and-copy per tensor costs ~25 us of Python, 4 ms for ResNet-50's
+        150 small tensors.
+        """
+        slots = bucket.slots
+        torch.cat([s.source.reshape(-1) for s in slots], out=buf)
+        scale_(buf, bucket.prescale)
+        wait = backend.allreduce_start(buf, bucket.op, group)
+
+        def finish() -> None:
+            wait()
+            scale_(buf, bucket.postscale)
+            pieces = torch.split_with_sizes(buf, [s.source.numel() for s in slots])
+            if all(s.output.is_contiguous() for s in slots):
+                torch._foreach_copy_([s.output.view(-1) for s in slots], pieces)
+            else:
+                for s, piece in zip(slots, pieces, strict=True):
+                    s.output.copy_(piece.view(s.output.shape))
+
+        return finish
+
+    def _start_direct(self, bucket: _Bucket, slot: _Slot, backend: Backend, group: Any) -> Callable[[], None]:
+        """Start the allreduce of one tensor in its own memory where possible; returns what finishes it."""
         src, out = slot.source, slot.output
         if src.dtype == bucket.compute_dtype and out.is_contiguous():
             if out is not src:
@@ -249,10 +294,15 @@ class Executor:
             if work.data_ptr() == src.data_ptr():
                 work = work.clone()
             scale_(work, bucket.prescale)
-        backend.allreduce_(work, bucket.op, group)
-        scale_(work, bucket.postscale)
-        if work.data_ptr() != out.data_ptr():
-            out.copy_(work.view(out.shape))
+        wait = backend.allreduce_start(work, bucket.op, group)
+
+        def finish() -> None:
+            wait()
+            scale_(work, bucket.postscale)
+            if work.data_ptr() != out.data_ptr():
+                out.copy_(work.view(out.shape))
+
+        return finish
 
     def _fusion_buffer(self, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
         key = (dtype, str(device))

@@ -224,6 +224,11 @@ def _destroy(index: int, state_dir: str | None) -> None:
         if netns.startswith(prefix) and netns[len(prefix):].isdigit():
             _kill_netns_processes(netns)
             subprocess.run(["ip", "netns", "del", netns], capture_output=True, timeout=30)
+    # The kernel frees a deleted namespace's veth pairs asynchronously; delete our ends now, so
+    # that a cluster built right after this one under the same index finds the names free.
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=30).stdout
+    for name in re.findall(rf"^\d+: (hora{index}v\d+)[@:]", links, flags=re.MULTILINE):
+        subprocess.run(["ip", "link", "del", name], capture_output=True, timeout=30)
     subprocess.run(["ip", "link", "del", f"hora{index}br"], capture_output=True, timeout=30)
     if state_dir and os.path.basename(state_dir).startswith("hora-cluster"):
         _unmount_under(state_dir)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import hora.torch as hvd
+from hora.core import runtime
 from hora.errors import HoraError, MismatchError
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -113,6 +114,25 @@ def test_many_small_tensors_fused():
     handles = [hvd.allreduce_async(t, op=hvd.Sum, name=f"fuse.{i}") for i, t in enumerate(tensors)]
     for i, h in enumerate(handles):
         torch.testing.assert_close(hvd.synchronize(h), expected_sum((i + 1,), torch.float32))
+
+
+def test_round_with_more_fused_bytes_than_the_fusion_buffer():
+    """Many fused buckets and direct tensors in one round: gloo keeps them in flight together,
+    and a full fusion buffer is drained before it is reused."""
+    executor = runtime.current().engine._executor
+    saved = executor.fusion_threshold
+    executor.fusion_threshold = 64 * 1024  # every rank alike; the names below are new, so plans are fresh
+    try:
+        shapes = [(3000,), (70_000,), (5000,), (300_000,), (12, 1000), (9000,), (2,)] * 3
+        dtypes = [torch.float32, torch.float16, torch.float64]
+        tensors = [rank_tensor(s, dtypes[i % 3]) for i, s in enumerate(shapes)]
+        handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=f"drain.{i}") for i, t in enumerate(tensors)]
+        for h in handles:
+            hvd.synchronize(h)
+    finally:
+        executor.fusion_threshold = saved
+    for i, (s, t) in enumerate(zip(shapes, tensors, strict=True)):
+        torch.testing.assert_close(t, expected_sum(s, dtypes[i % 3]))
 
 
 def test_large_tensor():

@@ -84,6 +84,21 @@ def test_backward_passes_per_step_accumulates():
     assert w.tolist() == [float(expected)] * 2
 
 
+def test_average_with_predivide_factor_and_groups():
+    """Averaging happens partly in the gradient hook; every split of the 1/size factor gives the mean."""
+    n, r = hvd.size(), hvd.rank()
+    mean = sum(range(1, n + 1)) / n
+    for factor, groups in [(1.0, None), (2.0, None), (0.5, 1)]:
+        a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([a, b], lr=1.0),
+                                       named_parameters=[(f"pre{factor}.a", a), (f"pre{factor}.b", b)],
+                                       gradient_predivide_factor=factor, groups=groups)
+        ((a * (r + 1)).sum() + (b * (r + 1)).sum()).backward()
+        opt.step()
+        torch.testing.assert_close(a.detach(), torch.full((3,), -mean), msg=f"factor {factor}")
+        torch.testing.assert_close(b.detach(), torch.full((2, 2), -mean), msg=f"factor {factor}")
+
+
 def test_fp16_compression():
     w = torch.nn.Parameter(torch.ones(5))
     opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), named_parameters=[("w16", w)],

@@ -21,7 +21,8 @@ def test_backend_exception_reaches_the_caller():
         def broken(*args, **kwargs):
             raise RuntimeError("simulated transport failure")
 
-        backend.allreduce_ = broken  # instance attribute: only this engine's backend
+        backend.allreduce_ = broken  # instance attributes: only this engine's backend
+        backend.allreduce_start = broken
         outcome: list[BaseException] = []
 
         def call() -> None:

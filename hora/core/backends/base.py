@@ -31,6 +31,12 @@ class Backend(abc.ABC):
     reduce_dtypes: frozenset[torch.dtype] = ARITHMETIC_DTYPES
     #: tensors at least this many bytes are reduced in place rather than fused.
     direct_threshold_bytes: int = 1 << 20
+    #: True when :meth:`allreduce_start` returns before the reduction is done,
+    #: so that several allreduces of a round can be in flight together.
+    concurrent: bool = False
+    #: with ``concurrent``, fused buckets are cut at this size, so that packing
+    #: one overlaps the reduction of the one before.
+    bucket_bytes: int | None = None
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank = rank
@@ -57,6 +63,16 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def allreduce_(self, buf: torch.Tensor, op: ReduceOp, group: Any = None) -> None:
         """Reduce ``buf`` in place across the group (op is SUM, MIN, MAX or PRODUCT)."""
+
+    def allreduce_start(self, buf: torch.Tensor, op: ReduceOp, group: Any = None) -> Callable[[], None]:
+        """Start reducing ``buf`` in place; returns the call that waits for the result.
+
+        ``buf`` must not be touched until that call returns.  The default
+        reduces at once (the returned wait does nothing); backends with
+        ``concurrent`` set return as soon as the collective is queued.
+        """
+        self.allreduce_(buf, op, group)
+        return _nothing
 
     @abc.abstractmethod
     def allgatherv(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int], group: Any = None) -> None:
@@ -97,6 +113,10 @@ class Backend(abc.ABC):
 
     def supports_device(self, device: torch.device) -> bool:
         return device.type == "cpu"
+
+
+def _nothing() -> None:
+    pass
 
 
 def wait_with_backoff(is_done: Callable[[], bool], poll: Callable[[float], None], spin_s: float = 200e-6) -> None:

@@ -117,6 +117,13 @@ class TorchDistBackend(Backend):
         opts.reduceOp = _TORCH_OPS[op]
         self._pg(group).allreduce([buf], opts).wait()
 
+    def allreduce_start(self, buf: torch.Tensor, op: ReduceOp, group: Any = None) -> Callable[[], None]:
+        if buf.numel() == 0 or not self.concurrent:
+            return super().allreduce_start(buf, op, group)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _TORCH_OPS[op]
+        return self._pg(group).allreduce([buf], opts).wait
+
     def allgatherv(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int], group: Any = None) -> None:
         pg = self._pg(group)
         longest = max(counts) if counts else 0
@@ -196,8 +203,15 @@ class GlooBackend(TorchDistBackend):
     reduce_dtypes = frozenset(
         {torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64}
     )
-    # gloo costs ~0.1-0.5 ms per call on loopback: fuse tensors up to 4 MiB.
-    direct_threshold_bytes = 4 << 20
+    # A gloo collective costs 0.4-2 ms even for a few bytes, most of it waiting on gloo's own
+    # threads, so a round keeps its allreduces in flight together on a pool of gloo threads:
+    # tensors from 1 MiB go as they are, smaller ones in fused buckets of up to 8 MiB, packed
+    # while the buckets before them travel (measurements in docs/benchmarks.md).
+    direct_threshold_bytes = 1 << 20
+    concurrent = True
+    bucket_bytes = 8 << 20
+    #: gloo worker threads per process group (torch's default is 2).
+    threads = 8
 
     def __init__(
         self, store: dist.Store, rank: int, size: int, prefix: str, timeout_s: float, interface: str | None = None,
@@ -215,6 +229,7 @@ class GlooBackend(TorchDistBackend):
         else:
             device = dist.ProcessGroupGloo.create_device(hostname=self._hostname or "")
         opts._devices = [device]
+        opts._threads = self.threads
         try:
             return dist.ProcessGroupGloo(store, rank, size, opts)
         except Exception as e:
