@@ -66,6 +66,7 @@ from common import (
     reset_peak_rss,
     run_child,
     start_world,
+    time_interleaved,
     time_repeats,
 )
 from torch import nn
@@ -344,16 +345,28 @@ def bench_gradset(world: World, args: argparse.Namespace, engine: str, hvd: Modu
     grads = resnet50_gradients()
     total = sum(g.numel() for g in grads) * 4
     rows = []
+    flat = torch.zeros(total // 4)
     if engine == "raw":
-        flat = torch.zeros(total // 4)
         cases = gradset_raw_cases(world, grads, flat)
+        times = {key: time_repeats(world, run, args.gradset_warmup, args.gradset_repeats)
+                 for key, run in cases.items()}
+        paired = None
     else:
-        cases = {f"{engine}|{k}": v for k, v in gradset_hora_cases(hvd, grads).items()}
-    for key, run in cases.items():
+        # The raw flat allreduce on hora's engine runs again here, one repeat in turn with
+        # hora's, so that hora's ratio to it is not at the mercy of load drift between phases.
+        raw_flat = raw_mpi_allreduce(world, flat) if engine == "hora-mpi" else lambda: dist.all_reduce(flat)
+        cases = {"paired|flat": raw_flat, **{f"{engine}|{k}": v for k, v in gradset_hora_cases(hvd, grads).items()}}
+        times = time_interleaved(world, cases, args.gradset_warmup, args.gradset_repeats)
+        paired = times.pop("paired|flat")
+    for key, samples in times.items():
         eng, method = key.split("|")
-        t = median(time_repeats(world, run, args.gradset_warmup, args.gradset_repeats))
-        rows.append({"engine": eng, "method": method, "time_s": t, "bytes": total, "tensors": len(grads),
-                     "busbw_GBps": total / t * 2 * (world.size - 1) / world.size / 1e9})
+        t = median(samples)
+        row = {"engine": eng, "method": method, "time_s": t, "bytes": total, "tensors": len(grads),
+               "busbw_GBps": total / t * 2 * (world.size - 1) / world.size / 1e9}
+        if paired is not None:
+            row["paired_flat_s"] = median(paired)
+            row["paired_ratio"] = median([a / b for a, b in zip(samples, paired, strict=True)])
+        rows.append(row)
         log(world, f"[gradset] {eng:>9} {method:<26}: {fmt_seconds(t)}")
     if engine == "raw":
         rows.append(ddp_exposed_comm(world, args))
@@ -409,10 +422,13 @@ def gradset_table(rows: list[Row]) -> str:
         note = ""
         if r["engine"] == "ddp":
             note = f"{fmt_seconds(r['ddp_step_s'])} − {fmt_seconds(r['plain_step_s'])}, input {r['input']}"
+        if "paired_ratio" in r:
+            note = f"raw flat timed in turn with it: {fmt_seconds(r['paired_flat_s'])}"
         out.append([label(r["engine"]), r["method"],
                     fmt_seconds(r["time_s"]), fmt_rate(r["busbw_GBps"]),
-                    fmt_num(r["time_s"] / base if base else None), note])
-    return markdown_table(["engine", "method", "median time", "busbw GB/s", "÷ raw flat, same engine", "note"], out)
+                    fmt_num(r["time_s"] / base if base else None), fmt_num(r.get("paired_ratio")), note])
+    return markdown_table(["engine", "method", "median time", "busbw GB/s", "÷ raw flat, same engine",
+                           "÷ raw flat, paired", "note"], out)
 
 
 # --------------------------------------------------------------------------- part c: MLP

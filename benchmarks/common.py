@@ -174,6 +174,23 @@ def time_repeats(world: World | None, fn: Callable[[], Any], warmup: int, repeat
     return times if world is None else world.allmax(times)
 
 
+def time_interleaved(world: World, cases: dict[str, Callable[[], Any]], warmup: int,
+                     repeats: int) -> dict[str, list[float]]:
+    """:func:`time_repeats` for several cases at once: one repeat of each in turn.
+
+    Load drift on a shared host then hits every case alike, so ratios of
+    paired repeats are steadier than ratios of cases timed one after another.
+    """
+    for fn in cases.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, fn in cases.items():
+            times[name].extend(time_repeats(world, fn, 0, 1))
+    return times
+
+
 def median(values: Sequence[float]) -> float:
     """Median of a non-empty sequence."""
     return float(statistics.median(values))
