@@ -173,6 +173,13 @@ def _series(rows: Sequence[dict[str, Any]], key: Any) -> dict[Any, list[dict[str
     return out
 
 
+def _save(plt: Any, fig: Any, path: str) -> None:
+    """Lay out, write and release a figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot_allreduce(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
     """Bus bandwidth against message size, one line per backend and N; dashed: the cost model.
 
@@ -199,9 +206,7 @@ def plot_allreduce(rows: Sequence[dict[str, Any]], path: str, title: str) -> Non
     ax.set_title(_wrap(title), fontsize="medium")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def _plot_allreduce_ranks(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
@@ -221,9 +226,7 @@ def _plot_allreduce_ranks(rows: Sequence[dict[str, Any]], path: str, title: str)
     ax.set_title(_wrap(f"{title}, {rows[0]['bytes'] / (1 << 20):g} MiB"), fontsize="medium")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_train(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
@@ -263,9 +266,7 @@ def plot_train(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
     ax2.grid(True, alpha=0.3)
     ax2.legend(fontsize="x-small")
     fig.suptitle(_wrap(f"{title}; dashed: cost model", 90), fontsize="medium")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_kvstore(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
@@ -299,9 +300,7 @@ def plot_kvstore(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
     fig.suptitle(_wrap(title), fontsize="medium")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_kvstore_workers(rows: Sequence[dict[str, Any]], path: str, title: str) -> None:
@@ -332,6 +331,4 @@ def plot_kvstore_workers(rows: Sequence[dict[str, Any]], path: str, title: str) 
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
     fig.suptitle(_wrap(title), fontsize="medium")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)

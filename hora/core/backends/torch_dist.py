@@ -111,18 +111,14 @@ class TorchDistBackend(Backend):
 
     # data plane
     def allreduce_(self, buf: torch.Tensor, op: ReduceOp, group: Any = None) -> None:
-        if buf.numel() == 0:
-            return
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = _TORCH_OPS[op]
-        self._pg(group).allreduce([buf], opts).wait()
+        if buf.numel():
+            self._allreduce_work(buf, op, group).wait()
 
-    def allreduce_start(self, buf: torch.Tensor, op: ReduceOp, group: Any = None) -> Callable[[], None]:
-        if buf.numel() == 0 or not self.concurrent:
-            return super().allreduce_start(buf, op, group)
+    def _allreduce_work(self, buf: torch.Tensor, op: ReduceOp, group: Any) -> Any:
+        """Queue an in-place allreduce on the process group; returns torch's Work."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = _TORCH_OPS[op]
-        return self._pg(group).allreduce([buf], opts).wait
+        return self._pg(group).allreduce([buf], opts)
 
     def allgatherv(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int], group: Any = None) -> None:
         pg = self._pg(group)
@@ -220,6 +216,11 @@ class GlooBackend(TorchDistBackend):
         self._interface = interface
         self._hostname = hostname
         super().__init__(store, rank, size, prefix, timeout_s)
+
+    def allreduce_start(self, buf: torch.Tensor, op: ReduceOp, group: Any = None) -> Callable[[], None]:
+        if buf.numel() == 0:
+            return super().allreduce_start(buf, op, group)
+        return self._allreduce_work(buf, op, group).wait
 
     def _make_pg(self, store: dist.Store, rank: int, size: int) -> Any:
         opts = dist.ProcessGroupGloo._Options()
