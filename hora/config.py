@@ -185,6 +185,13 @@ class RendezvousConfig:
     ``hora run`` sets ``HORA_RENDEZVOUS_ADDR``/``PORT`` and rank 0 hosts the
     store there; under torchrun the agent already hosts one at
     ``MASTER_ADDR``/``MASTER_PORT``, so every rank connects as a client.
+
+    ``interface`` may name several interfaces separated by commas, as
+    ``GLOO_SOCKET_IFNAME`` does.  ``gloo_devices`` is how many gloo devices
+    (each its own TCP connection to every peer and its own I/O thread) hora
+    opens per interface: gloo spreads concurrent collectives over them, which
+    is how a round's allreduces in flight together get more than one
+    connection's throughput (``HORA_GLOO_DEVICES``, default 4).
     """
 
     addr: str | None = None
@@ -192,6 +199,11 @@ class RendezvousConfig:
     host_store: bool = True  # rank 0 hosts the store (False under torchrun's agent store)
     interface: str | None = None
     secret: str | None = None
+    gloo_devices: int = 4
+
+    def __post_init__(self) -> None:
+        if self.gloo_devices < 1:
+            raise ConfigError(f"HORA_GLOO_DEVICES={self.gloo_devices} must be at least 1")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RendezvousConfig:
@@ -210,6 +222,7 @@ class RendezvousConfig:
             host_store=host_store,
             interface=_lookup(env, "HORA_NETWORK_INTERFACE", "GLOO_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE"),
             secret=_lookup(env, "HORA_SECRET"),
+            gloo_devices=_as_int(env, ("HORA_GLOO_DEVICES",), 4),
         )
 
 

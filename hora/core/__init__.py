@@ -94,6 +94,7 @@ def _gloo_controller(topology: Topology, config: EngineConfig, rdv: RendezvousCo
     backend = GlooBackend(
         store, topology.rank, topology.size, prefix=f"hora/g{generation}",
         timeout_s=max(config.start_timeout_seconds, 300.0), interface=rdv.interface, hostname=hostname,
+        devices=rdv.gloo_devices,
     )
     return backend, store
 

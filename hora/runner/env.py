@@ -124,22 +124,26 @@ def forwarded_names(env: Mapping[str, str], config: LaunchConfig) -> list[str]:
 
 
 def interface_address(interface: str) -> str:
-    """The IPv4 address of a network interface.
+    """The IPv4 address of a network interface (of the first, given a comma-separated list).
+
+    Every interface of a list (gloo opens connections on each) must exist.
 
     Raises:
-        LaunchError: the interface does not exist or has no IPv4 address.
+        LaunchError: an interface does not exist or the first has no IPv4 address.
     """
     import psutil  # only needed with --network-interface
 
     addresses = psutil.net_if_addrs()
-    if interface not in addresses:
-        raise LaunchError(
-            f"--network-interface {interface!r} does not exist here; interfaces: {', '.join(sorted(addresses))}"
-        )
-    for addr in addresses[interface]:
+    names = [n.strip() for n in interface.split(",") if n.strip()]
+    for name in names or [interface]:
+        if name not in addresses:
+            raise LaunchError(
+                f"--network-interface {name!r} does not exist here; interfaces: {', '.join(sorted(addresses))}"
+            )
+    for addr in addresses[names[0]]:
         if addr.family == socket.AF_INET:
             return addr.address
-    raise LaunchError(f"--network-interface {interface!r} has no IPv4 address")
+    raise LaunchError(f"--network-interface {names[0]!r} has no IPv4 address")
 
 
 def build_env(

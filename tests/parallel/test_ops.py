@@ -141,6 +141,20 @@ def test_large_tensor():
     assert float(out[0]) == float(out[-1]) == float(sum(range(hvd.size())))
 
 
+def test_tensor_split_over_connections():
+    """gloo cuts a tensor of several times split_bytes into pieces in flight on different devices:
+    every element must still land in its place, for every op and an odd length."""
+    n = 4_500_001  # float64: 36 MB, uneven pieces
+    t = rank_tensor((n,), torch.float64)
+    hvd.allreduce_(t, op=hvd.Sum, name="split.sum")
+    torch.testing.assert_close(t, expected_sum((n,), torch.float64), rtol=0, atol=0)
+    m = rank_tensor((n,), torch.float64)
+    out = hvd.allreduce(m, op=hvd.Max, name="split.max")
+    torch.testing.assert_close(out, rank_tensor((n,), torch.float64, offset=hvd.size() - 1 - hvd.rank()))
+    avg = hvd.allreduce(torch.full((n,), float(hvd.rank())), op=hvd.Average, name="split.avg")
+    assert torch.all(avg == (hvd.size() - 1) / 2)
+
+
 def test_grouped_allreduce():
     ts = [rank_tensor((3,), torch.float32), rank_tensor((2, 2), torch.float64)]
     outs = hvd.grouped_allreduce(ts, op=hvd.Sum)

@@ -223,6 +223,10 @@ def test_build_env_respects_user_threads_and_interface():
     assert env["HORA_RENDEZVOUS_ADDR"] == "127.0.0.1"
     with pytest.raises(LaunchError, match=r"--network-interface 'nope0' does not exist here; interfaces: .*lo"):
         build_env(LaunchConfig(command=["python"], num_proc=1, network_interface="nope0"), local_size=1)
+    with pytest.raises(LaunchError, match=r"--network-interface 'nope1' does not exist here"):
+        build_env(LaunchConfig(command=["python"], num_proc=1, network_interface="lo,nope1"), local_size=1)
+    env, _ = build_env(LaunchConfig(command=["python"], num_proc=2, network_interface="lo,lo"), local_size=2)
+    assert env["GLOO_SOCKET_IFNAME"] == "lo,lo" and env["HORA_RENDEZVOUS_ADDR"] == "127.0.0.1"
 
 
 def test_check_command(tmp_path):

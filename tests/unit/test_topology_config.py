@@ -70,6 +70,16 @@ def test_engine_config_errors_name_the_knob(env, message):
         EngineConfig.from_env(env)
 
 
+def test_rendezvous_gloo_devices():
+    assert RendezvousConfig.from_env({}).gloo_devices == 4
+    rdv = RendezvousConfig.from_env({"HORA_GLOO_DEVICES": "2", "GLOO_SOCKET_IFNAME": "eth0,eth1"})
+    assert (rdv.gloo_devices, rdv.interface) == (2, "eth0,eth1")
+    with pytest.raises(ConfigError, match="HORA_GLOO_DEVICES=0 must be at least 1"):
+        RendezvousConfig.from_env({"HORA_GLOO_DEVICES": "0"})
+    with pytest.raises(ConfigError, match="HORA_GLOO_DEVICES='many' is not an integer"):
+        RendezvousConfig.from_env({"HORA_GLOO_DEVICES": "many"})
+
+
 def test_rendezvous_from_torchrun_uses_agent_store():
     rdv = RendezvousConfig.from_env({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
                                      "TORCHELASTIC_USE_AGENT_STORE": "True"})

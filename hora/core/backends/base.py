@@ -72,7 +72,7 @@ class Backend(abc.ABC):
         ``concurrent`` set return as soon as the collective is queued.
         """
         self.allreduce_(buf, op, group)
-        return _nothing
+        return nothing
 
     @abc.abstractmethod
     def allgatherv(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int], group: Any = None) -> None:
@@ -115,7 +115,8 @@ class Backend(abc.ABC):
         return device.type == "cpu"
 
 
-def _nothing() -> None:
+def nothing() -> None:
+    """The wait of a collective that finished when it was started."""
     pass
 
 
