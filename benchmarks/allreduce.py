@@ -65,6 +65,7 @@ from common import (
     peak_rss_mib,
     reset_peak_rss,
     run_child,
+    same_allocator_for_every_peer,
     start_world,
     time_interleaved,
     time_repeats,
@@ -119,6 +120,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--mlp-steps", type=int, default=30, help="training steps per timed repeat")
     g.add_argument("--mlp-repeats", type=int, default=3)
     g.add_argument("--mlp-warmup", type=int, default=5, help="untimed steps first")
+    p.add_argument("--malloc-tuning", action=argparse.BooleanOptionalAction, default=True,
+                   help="run every peer with the glibc malloc thresholds hora sets at init (off: glibc's "
+                        "dynamic defaults for all, hora included)")
     p.add_argument("--child-mlp-threads", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.parts = PARTS if "all" in args.part else tuple(x for x in PARTS if x in args.part)
@@ -612,6 +616,7 @@ def run_part(world: World, args: argparse.Namespace, part: str, notes: dict[str,
 def main(argv: Sequence[str] | None = None) -> int:
     """Measure the selected parts and print one markdown table per part on rank 0."""
     args = parse_args(argv)
+    allocator = same_allocator_for_every_peer(args.malloc_tuning)
     if args.child_mlp_threads:
         return child_mlp(args)
     os.environ["OMP_NUM_THREADS"] = "1"  # for anything started from here; children set their own
@@ -626,7 +631,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(world, f"warning: {load:.0%} of this host's CPU is busy with other processes; numbers will be noisy")
     account = CpuAccount(world)
     account.start()
-    notes: dict[str, None] = {}  # ordered set
+    notes: dict[str, None] = {allocator: None}  # ordered set
     results = {part: run_part(world, args, part, notes) for part in RUN_ORDER if part in args.parts}
 
     info.extra["foreign_cpu_load_during"] = during = account.foreign_share()

@@ -305,6 +305,28 @@ class CpuAccount:
         return self.world.bcast(share)
 
 
+# --------------------------------------------------------------------------- allocator
+
+
+def same_allocator_for_every_peer(tuned: bool = True) -> str:
+    """Give this process (and, through the environment, its children) the malloc settings hora runs with.
+
+    ``hvd.init()`` fixes glibc's mmap/trim thresholds (hora.core.allocator);
+    the raw engines, DDP and the one-process baselines must run with the same
+    allocator, or a ratio would measure malloc instead of the engines.  With
+    ``tuned=False`` nobody tunes: ``HORA_MALLOC_TUNING=0`` reaches hora and the
+    children.  Returns a line for the report.
+    """
+    from hora.core.allocator import tune_malloc, why_not_tune
+
+    if not tuned or os.environ.get("HORA_MALLOC_TUNING") == "0":
+        os.environ["HORA_MALLOC_TUNING"] = "0"
+        return "malloc: glibc's dynamic thresholds for every peer (--no-malloc-tuning)"
+    if tune_malloc(os.environ):
+        return "malloc: every peer runs with hora's fixed glibc thresholds (hora.core.allocator)"
+    return f"malloc: untouched for every peer ({why_not_tune(os.environ) or 'mallopt refused'})"
+
+
 # --------------------------------------------------------------------------- child processes
 
 
@@ -313,6 +335,8 @@ def clean_child_env(threads: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(LAUNCHER_ENV_PREFIXES) and k not in LAUNCHER_ENV_NAMES}
     env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    if "HORA_MALLOC_TUNING" in os.environ:  # the allocator choice is every peer's, not a launcher's
+        env["HORA_MALLOC_TUNING"] = os.environ["HORA_MALLOC_TUNING"]
     return env
 
 

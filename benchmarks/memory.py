@@ -38,8 +38,9 @@ def child(engine: str, workload: str, steps: int) -> None:
     import torch.nn.functional as F
 
     sys.path.insert(0, str(HERE))
-    from common import current_rss_mib, load_example_models, peak_rss_mib
+    from common import current_rss_mib, load_example_models, peak_rss_mib, same_allocator_for_every_peer
 
+    same_allocator_for_every_peer()  # DDP gets the malloc thresholds hora's init sets
     torch.set_num_threads(1)
     if engine == "ddp":
         import torch.distributed as dist

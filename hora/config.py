@@ -104,6 +104,10 @@ class EngineConfig:
             cores: with one core per rank, communicating during backward only
             makes the two threads fight for the core, and it is faster to
             reduce everything when ``step()`` waits for it.
+        malloc_tuning: fix glibc malloc's mmap and trim thresholds at
+            ``init()`` so that tensors freed and reallocated every step reuse
+            heap memory instead of faulting in fresh pages (see
+            :mod:`hora.core.allocator`); ``HORA_MALLOC_TUNING=0`` leaves them.
     """
 
     controller: str = "auto"
@@ -117,6 +121,7 @@ class EngineConfig:
     timeline_filename: str | None = None
     mpi_threads: bool = True
     overlap: bool | None = None
+    malloc_tuning: bool = True
 
     def __post_init__(self) -> None:
         if self.controller not in ("auto", "mpi", "gloo"):
@@ -168,6 +173,7 @@ class EngineConfig:
             mpi_threads=not _as_bool(env, ("HORA_MPI_THREADS_DISABLE", "HOROVOD_MPI_THREADS_DISABLE"), False),
             overlap=None if (_lookup(env, "HORA_OVERLAP") or "auto") == "auto" else _as_bool(
                 env, ("HORA_OVERLAP",), True),
+            malloc_tuning=_as_bool(env, ("HORA_MALLOC_TUNING",), True),
         )
         values.update(overrides)
         return cls(**values)

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Mapping
 
 from hora.config import EngineConfig, RendezvousConfig, environ
+from hora.core.allocator import tune_malloc
 from hora.core.backends.base import Backend
 from hora.core.engine import Engine
 from hora.core.topology import Topology, detect
@@ -43,6 +44,8 @@ def start_engine(config: EngineConfig | None = None, env: Mapping[str, str] | No
     """
     env = environ() if env is None else env
     config = EngineConfig.from_env(env) if config is None else config
+    if config.malloc_tuning:
+        tune_malloc(env)
     topology = detect(env)
     controller_name = choose_controller(config, topology)
     generation = next(_generation)

@@ -4,6 +4,12 @@ Each parameter gets a post-accumulate-grad hook.  When its gradient is final
 for the step, the hook starts an asynchronous in-place allreduce of it and
 returns, so communication overlaps the rest of backward.  ``step()`` waits
 for the outstanding reductions, then runs the wrapped optimizer.
+
+Where the engine does not overlap (one CPU core per rank, see
+``EngineConfig.overlap``), nothing would run before ``step()`` anyway: the
+hooks then only scale each gradient while it is still in cache, and
+``step()`` submits them all as one grouped allreduce, which spares a request,
+a handle and a negotiation entry per parameter.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from typing import Any
 
 import torch
 
+from hora.core import runtime
 from hora.core.ops import ReduceOp
 from hora.core.runtime import global_process_set
 from hora.errors import HoraError
@@ -25,6 +32,9 @@ from hora.torch.compression import Compression
 log = logging.getLogger(__name__)
 
 _SCALE_EARLY = (torch.float32, torch.float64)
+# Handle keys of the deferred grouped allreduces (parameters use id(p) > 0, groups -1 - index).
+_DEFERRED_SCALED = -(1 << 40)
+_DEFERRED_REST = _DEFERRED_SCALED - 1
 
 
 def parameter_names(params: list[torch.Tensor],
@@ -178,6 +188,9 @@ class _DistributedOptimizer(_WrappedOptimizer):
         self._passes: dict[int, int] = {}
         self._group_ready: dict[int, list[torch.Tensor]] = {}
         self._densified: set[int] = set()  # sparse grads reduced as dense (sparse_as_dense)
+        # Without overlap, ungrouped dense gradients wait here for one grouped allreduce in synchronize().
+        self._defer = not runtime.current().engine.overlap
+        self._deferred: dict[int, bool] = {}  # id(param) -> already divided by the set size
         self._synchronized = False
         self._should_synchronize = True
         # A rank outside the process set takes no part: its step() stays local, as in Horovod.
@@ -188,7 +201,7 @@ class _DistributedOptimizer(_WrappedOptimizer):
     # -------------------------------------------------------------- hooks
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         key = id(p)
-        if key in self._handles or (key in self._group_of and
+        if key in self._handles or key in self._deferred or (key in self._group_of and
                                     any(q is p for q in self._group_ready.get(self._group_of[key], []))):
             raise HoraError(
                 "gradients were computed more than backward_passes_per_step times before step(); "
@@ -218,6 +231,9 @@ class _DistributedOptimizer(_WrappedOptimizer):
             if p.grad is not None and p.grad.is_sparse and not self._sparse_as_dense:
                 self._start_sparse(p)
                 return
+            if self._defer:
+                self._deferred[id(p)] = self._scale_early([self._grad_of(p)])
+                return
             self._start([p], self._names[id(p)], id(p))
             return
         ready = self._group_ready.setdefault(gi, [])
@@ -226,21 +242,32 @@ class _DistributedOptimizer(_WrappedOptimizer):
             del self._group_ready[gi]
             self._start(self._groups[gi], f"group.{gi}", -1 - gi)
 
-    def _start(self, params: list[torch.Tensor], name: str, key: int) -> None:
+    def _scale_early(self, grads: list[torch.Tensor]) -> bool:
+        """For op=Average on float32/float64 gradients (no compression): divide by the set size now.
+
+        Done while backward has just left the gradient in cache; the sum that
+        follows then needs no division, which would read every gradient from
+        memory once more (MLP benchmark: 10-14% more samples/s on MPI).  Half
+        precision keeps the division after the sum, in float32.  Returns
+        whether the gradients were scaled.
+        """
+        if self._op != ReduceOp.AVERAGE or self._compression is not Compression.none or not all(
+                g.dtype in _SCALE_EARLY for g in grads):
+            return False
+        scale = self._prescale / self._process_set.size()
+        for g in grads:
+            g.mul_(scale)
+        return True
+
+    def _start(self, params: list[torch.Tensor], name: str, key: int, scaled: bool = False) -> None:
+        """Submit the allreduce of ``params``' gradients (``scaled``: already divided by the set size)."""
         grads, ctxs = [], []
         for p in params:
             compressed, ctx = self._compression.compress(self._grad_of(p))
             grads.append(compressed)
             ctxs.append(ctx)
         op, prescale = self._op, self._prescale
-        if op == ReduceOp.AVERAGE and all(g.dtype in _SCALE_EARLY for g in grads):
-            # Divide by the set's size now, while backward has just left the gradient in cache,
-            # and reduce a sum: dividing after the allreduce reads every gradient from memory
-            # once more (MLP benchmark: 10-14% more samples/s on MPI).  Half-precision
-            # gradients (fp16 compression) keep the division after the sum, done in float32.
-            scale = prescale / self._process_set.size()
-            for g in grads:
-                g.mul_(scale)
+        if scaled or self._scale_early(grads):
             op, prescale = ReduceOp.SUM, 1.0
         handle = mpi_ops.grouped_allreduce_async_(
             grads, name=f"allreduce.{name}", op=op, prescale_factor=prescale,
@@ -250,6 +277,22 @@ class _DistributedOptimizer(_WrappedOptimizer):
             postscale_factor=self._postscale, process_set=self._process_set,
         )
         self._handles[key] = (handle, (grads, ctxs), params)
+
+    def _start_deferred(self) -> None:
+        """Submit the deferred gradients: one grouped allreduce of the scaled ones, one of the rest.
+
+        Every rank submits the same parameters in the optimizer's order (those
+        whose hooks did not fire carry zeros), so the requests are cached after
+        the first step.
+        """
+        deferred, self._deferred = self._deferred, {}
+        params = [p for p in self._params if id(p) in deferred]
+        scaled = [p for p in params if deferred[id(p)]]
+        rest = [p for p in params if not deferred[id(p)]]
+        for part, key, is_scaled in ((scaled, _DEFERRED_SCALED, True), (rest, _DEFERRED_REST, False)):
+            if part:
+                name = f"{self._names[id(part[0])]}..{self._names[id(part[-1])]}"
+                self._start(part, name, key, scaled=is_scaled)
 
     def _start_sparse(self, p: torch.Tensor) -> None:
         """Reduce a sparse gradient by allgathering its indices and values (no densifying)."""
@@ -278,11 +321,13 @@ class _DistributedOptimizer(_WrappedOptimizer):
             self._start(self._groups[gi], f"group.{gi}", -1 - gi)
         for p in self._params:
             key = id(p)
-            if key not in self._handles and key not in self._group_of:
+            if key not in self._handles and key not in self._group_of and key not in self._deferred:
                 self._submit(p)
         for gi, group in enumerate(self._groups):
             if -1 - gi not in self._handles:
                 self._start(group, f"group.{gi}", -1 - gi)
+        if self._deferred:
+            self._start_deferred()
         for handle, payload, params in self._handles.values():
             if payload is None:  # a sparse gradient: the handle is a callable returning the sum
                 params[0].grad = handle()
@@ -315,7 +360,7 @@ class _DistributedOptimizer(_WrappedOptimizer):
         return self._opt.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._handles:
+        if self._handles or self._deferred:
             raise HoraError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
                 "optimizer.synchronize(); that would discard gradients still being reduced"
