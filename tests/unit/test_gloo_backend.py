@@ -15,10 +15,16 @@ def make(**kwargs) -> GlooBackend:
     return GlooBackend(dist.HashStore(), 0, 1, prefix="t", timeout_s=10, hostname="127.0.0.1", **kwargs)
 
 
-def test_one_device_per_connection_asked_for():
+def test_latency_and_bulk_groups():
     backend = make(devices=3)
     try:
-        assert len(backend._device_list) == 3
+        bulk, devices = backend._bulk[backend.pg]
+        assert bulk is not backend.pg and devices == 3
+    finally:
+        backend.shutdown()
+    backend = make(devices=1)
+    try:
+        assert backend._bulk[backend.pg] == (backend.pg, 1)
     finally:
         backend.shutdown()
 
@@ -28,13 +34,15 @@ def test_large_tensor_is_reduced_in_pieces_in_place():
     try:
         split = backend.split_bytes // 4  # float32 elements per split_bytes
         calls = []
-        real = backend._allreduce_work
+        real = backend._allreduce_on
+        bulk = backend._bulk[backend.pg][0]
 
-        def recording(buf, op, group):
+        def recording(pg, buf, op):
             calls.append((buf.data_ptr(), buf.numel()))
-            return real(buf, op, group)
+            assert pg is (bulk if buf.numel() * 4 >= backend.bulk_bytes else backend.pg)
+            return real(pg, buf, op)
 
-        backend._allreduce_work = recording
+        backend._allreduce_on = recording
         t = torch.arange(3 * split + 5, dtype=torch.float32)
         backend.allreduce_(t, ReduceOp.SUM)
         assert len(calls) == 3  # three whole split_bytes: three pieces, fewer than the four devices
@@ -42,7 +50,8 @@ def test_large_tensor_is_reduced_in_pieces_in_place():
         assert torch.equal(t, torch.arange(3 * split + 5, dtype=torch.float32))
         calls.clear()
         backend.allreduce_(torch.ones(split), ReduceOp.SUM)
-        assert len(calls) == 1
+        backend.allreduce_(torch.ones(1000), ReduceOp.SUM)  # small: the latency group
+        assert len(calls) == 2
     finally:
         backend.shutdown()
 

@@ -115,10 +115,14 @@ class TorchDistBackend(Backend):
             self._allreduce_work(buf, op, group).wait()
 
     def _allreduce_work(self, buf: torch.Tensor, op: ReduceOp, group: Any) -> Any:
-        """Queue an in-place allreduce on the process group; returns torch's Work."""
+        """Queue an in-place allreduce on the process set's group; returns torch's Work."""
+        return self._allreduce_on(self._pg(group), buf, op)
+
+    @staticmethod
+    def _allreduce_on(pg: Any, buf: torch.Tensor, op: ReduceOp) -> Any:
         opts = dist.AllreduceOptions()
         opts.reduceOp = _TORCH_OPS[op]
-        return self._pg(group).allreduce([buf], opts)
+        return pg.allreduce([buf], opts)
 
     def allgatherv(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int], group: Any = None) -> None:
         pg = self._pg(group)
@@ -200,16 +204,24 @@ class GlooBackend(TorchDistBackend):
         {torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64}
     )
     # A gloo collective costs 0.4-2 ms even for a few bytes, most of it waiting on gloo's own
-    # threads, so a round keeps its allreduces in flight together on a pool of gloo threads,
-    # spread over several devices (connections): tensors from 1 MiB go as they are, smaller
-    # ones in fused buckets of up to 8 MiB, packed while the buckets before them travel
-    # (measurements in docs/benchmarks.md).
+    # threads, so a round keeps its allreduces in flight together: tensors from 1 MiB go as they
+    # are, smaller ones in fused buckets of up to 8 MiB, packed while the buckets before them
+    # travel.  Each process set has two gloo groups: one device for negotiation and small
+    # collectives (latency: 1.2-1.6 ms per 4 KiB allreduce against 1.9-2.1 ms with four
+    # devices), and a bulk group of several devices (connections, each with its own I/O thread)
+    # that gloo round-robins collectives over, for allreduces from ``bulk_bytes`` (throughput:
+    # ResNet-50's gradient set 1.16-1.18x one flat allreduce on one device, 1.01-1.02x on four).
+    # Measurements in docs/benchmarks.md.
     direct_threshold_bytes = 1 << 20
     concurrent = True
     bucket_bytes = 8 << 20
-    #: gloo worker threads per process group (torch's default is 2).
-    threads = 16
-    #: a tensor is split over several devices only into pieces at least this large.
+    #: gloo worker threads of the latency group (torch's default is 2).
+    threads = 8
+    #: gloo worker threads of the bulk group, per device.
+    bulk_threads_per_device = 4
+    #: allreduces of at least this many bytes run on the bulk group.
+    bulk_bytes = 1 << 20
+    #: a tensor is split over the bulk group's devices only into pieces at least this large.
     split_bytes = 8 << 20
 
     def __init__(
@@ -219,14 +231,14 @@ class GlooBackend(TorchDistBackend):
         self._interface = interface
         self._hostname = hostname
         self._devices = devices
-        self._device_list: list[Any] = []
+        self._bulk: dict[Any, tuple[Any, int]] = {}  # latency group -> (bulk group, its devices)
         super().__init__(store, rank, size, prefix, timeout_s)
 
     def allreduce_(self, buf: torch.Tensor, op: ReduceOp, group: Any = None) -> None:
         self.allreduce_start(buf, op, group)()
 
     def allreduce_start(self, buf: torch.Tensor, op: ReduceOp, group: Any = None) -> Callable[[], None]:
-        """Queue the allreduce; a large tensor goes as up to one piece per device, all in flight.
+        """Queue the allreduce; a large tensor goes as up to one piece per bulk device, all in flight.
 
         A single collective runs on one device's connection; pieces of at
         least ``split_bytes`` on several of them took a 97 MiB allreduce to
@@ -234,10 +246,15 @@ class GlooBackend(TorchDistBackend):
         """
         if buf.numel() == 0:
             return nothing
-        pieces = min(len(self._device_list), buf.numel() * buf.element_size() // self.split_bytes)
+        pg = self._pg(group)
+        nbytes = buf.numel() * buf.element_size()
+        if nbytes < self.bulk_bytes:
+            return self._allreduce_on(pg, buf, op).wait
+        bulk, devices = self._bulk[pg]
+        pieces = min(devices, nbytes // self.split_bytes)
         if pieces < 2:
-            return self._allreduce_work(buf, op, group).wait
-        works = [self._allreduce_work(piece, op, group) for piece in buf.view(-1).chunk(pieces)]
+            return self._allreduce_on(bulk, buf, op).wait
+        works = [self._allreduce_on(bulk, piece, op) for piece in buf.view(-1).chunk(pieces)]
 
         def wait() -> None:
             for work in works:
@@ -246,10 +263,34 @@ class GlooBackend(TorchDistBackend):
         return wait
 
     def _make_pg(self, store: dist.Store, rank: int, size: int) -> Any:
+        """The latency group of a process set; its bulk group is remembered beside it."""
+        latency_devices = self._make_devices(1)
+        latency = self._connect(store, rank, size, latency_devices, self.threads)
+        if self._devices == 1:
+            bulk, devices = latency, len(latency_devices)
+        else:
+            bulk_devices = self._make_devices(self._devices)
+            bulk = self._connect(dist.PrefixStore("bulk", store), rank, size, bulk_devices,
+                                 self.bulk_threads_per_device * len(bulk_devices))
+            devices = len(bulk_devices)
+        self._bulk[latency] = (bulk, devices)
+        return latency
+
+    def shutdown(self) -> None:
+        bulk_groups = [bulk for latency, (bulk, _) in self._bulk.items() if bulk is not latency]
+        self._bulk.clear()
+        for pg in bulk_groups:
+            try:
+                pg.shutdown()
+            except Exception as e:  # pragma: no cover - best effort at teardown
+                log.debug("bulk process group shutdown failed: %s", e)
+        super().shutdown()
+
+    def _connect(self, store: dist.Store, rank: int, size: int, devices: list[Any], threads: int) -> Any:
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = self._timeout
-        opts._devices = self._device_list = self._make_devices()
-        opts._threads = self.threads
+        opts._devices = devices
+        opts._threads = threads
         try:
             return dist.ProcessGroupGloo(store, rank, size, opts)
         except Exception as e:
@@ -258,20 +299,19 @@ class GlooBackend(TorchDistBackend):
                 "and that every rank is running"
             ) from e
 
-    def _make_devices(self) -> list[Any]:
-        """``devices`` gloo devices per interface (or on this host's address).
+    def _make_devices(self, per_interface: int) -> list[Any]:
+        """``per_interface`` gloo devices on each interface (or on this host's address).
 
         gloo gives collective number k the context of device k % n, so the
         allreduces a round keeps in flight travel over separate connections
-        and I/O threads.  On ResNet-50's gradient set one device came to
-        1.16-1.18x one flat allreduce and four to 1.01-1.02x (docs/benchmarks.md).
+        and I/O threads.
         """
         create = dist.ProcessGroupGloo.create_device
         if not self._interface:
-            return [create(hostname=self._hostname or "") for _ in range(self._devices)]
+            return [create(hostname=self._hostname or "") for _ in range(per_interface)]
         names = [n.strip() for n in self._interface.split(",") if n.strip()]
         try:
-            return [create(interface=n) for n in names for _ in range(self._devices)]
+            return [create(interface=n) for n in names for _ in range(per_interface)]
         except Exception as e:
             raise BackendError(
                 f"gloo cannot use network interface {self._interface!r} ({e}); pass an interface this host "
