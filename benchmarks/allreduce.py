@@ -110,6 +110,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--batch-below", type=parse_size, default=256 * KiB,
                    help="messages smaller than this run size-dependent back-to-back ops per timed repeat")
     g.add_argument("--max-batch", type=int, default=32, help="most back-to-back ops per timed repeat")
+    g.add_argument("--pair-from", type=parse_size, default=MiB,
+                   help="from this size, hora's repeats alternate with both raw engines' (paired ratio)")
     g = p.add_argument_group("gradset")
     g.add_argument("--gradset-repeats", type=int, default=10)
     g.add_argument("--gradset-warmup", type=int, default=2)
@@ -235,10 +237,25 @@ def bench_sizes(world: World, args: argparse.Namespace, engine: str, hvd: Module
         check_sum(world, engine, buf, run)
         buf.zero_()  # zeros stay zeros: no overflow, no denormals, however many repeats
         warmup, repeats, ops = repeats_for(nbytes, args)
-        t = median(time_repeats(world, repeated(run, ops), warmup, repeats)) / ops
+        paired = None
+        if engine.startswith("hora") and nbytes >= args.pair_from:
+            # Both raw engines run again here, one repeat of each in turn with hora's, so that
+            # hora's ratio to the best of them does not depend on load drift between phases.
+            raw_bufs = [torch.zeros_like(buf), torch.zeros_like(buf)]
+            cases = {"hora": run, "mpi": raw_mpi_allreduce(world, raw_bufs[0]),
+                     "gloo": raw_gloo_allreduce(raw_bufs[1])}
+            times = time_interleaved(world, {k: repeated(f, ops) for k, f in cases.items()}, warmup, repeats)
+            samples = times["hora"]
+            paired = [h / min(m, g) for h, m, g in zip(samples, times["mpi"], times["gloo"], strict=True)]
+            del raw_bufs, cases
+        else:
+            samples = time_repeats(world, repeated(run, ops), warmup, repeats)
+        t = median(samples) / ops
         algbw = nbytes / t
         rows.append({"engine": engine, "bytes": nbytes, "time_s": t, "repeats": repeats, "ops_per_repeat": ops,
                      "algbw_GBps": algbw / 1e9, "busbw_GBps": algbw * 2 * (world.size - 1) / world.size / 1e9})
+        if paired is not None:
+            rows[-1]["paired_ratio"] = median(paired)
         log(world, f"[sizes] {engine:>9} {fmt_bytes(nbytes):>8}: {fmt_seconds(t):>10}  "
                    f"busbw {rows[-1]['busbw_GBps']:.2f} GB/s  ({repeats} repeats × {ops})")
         del buf, run
@@ -247,7 +264,7 @@ def bench_sizes(world: World, args: argparse.Namespace, engine: str, hvd: Module
 
 
 def sizes_table(rows: list[Row]) -> str:
-    """Markdown: one line per size and engine; hora lines carry hora / best raw."""
+    """Markdown: one line per size and engine; hora lines carry hora / best raw, unpaired and paired."""
     best_raw = {}
     for r in rows:
         if r["engine"] in ("mpi", "gloo"):
@@ -258,8 +275,10 @@ def sizes_table(rows: list[Row]) -> str:
         ratio = r["time_s"] / best_raw[r["bytes"]] if r["engine"].startswith("hora") and r["bytes"] in best_raw \
             else None
         out.append([fmt_bytes(r["bytes"]), label(r["engine"]), fmt_seconds(r["time_s"]), fmt_rate(r["algbw_GBps"]),
-                    fmt_rate(r["busbw_GBps"]), fmt_num(ratio), f"{r['repeats']} × {r['ops_per_repeat']}"])
+                    fmt_rate(r["busbw_GBps"]), fmt_num(ratio), fmt_num(r.get("paired_ratio")),
+                    f"{r['repeats']} × {r['ops_per_repeat']}"])
     return markdown_table(["size", "engine", "median time", "algbw GB/s", "busbw GB/s", "time ÷ best raw",
+                           "÷ best raw, paired",
                            "repeats × ops"], out)
 
 

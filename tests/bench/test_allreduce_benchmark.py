@@ -1,0 +1,31 @@
+"""benchmarks/allreduce.py (the issue-2 comparison) runs end to end on 2 ranks, every peer included."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(240)
+def test_every_part_and_peer_with_a_paired_ratio(tmp_path, run_job):
+    out = tmp_path / "bench.json"
+    proc = run_job(2, [sys.executable, str(ROOT / "benchmarks" / "allreduce.py"), "--part", "sizes", "mlp",
+                        "--sizes", "4K,2M", "--min-repeats", "2", "--max-repeats", "3", "--mlp-steps", "3",
+                        "--mlp-repeats", "1", "--mlp-warmup", "1", "--json", str(out)], mpi=True, timeout=200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    sizes = {(r["engine"], r["bytes"]): r for r in data["results"]["sizes"]}
+    assert set(sizes) == {(e, b) for e in ("mpi", "gloo", "hora-mpi", "hora-gloo") for b in (4096, 2 << 20)}
+    for engine in ("hora-mpi", "hora-gloo"):
+        assert "paired_ratio" not in sizes[(engine, 4096)]  # below --pair-from
+        assert sizes[(engine, 2 << 20)]["paired_ratio"] > 0
+    engines = [r["engine"] for r in data["results"]["mlp"]]
+    assert engines == ["1 process × 1 thread", "1 process × 2 threads", "ddp", "hora-mpi", "hora-gloo"]
+    assert all(r["samples_per_s"] > 0 for r in data["results"]["mlp"])
+    assert any(note.startswith("malloc: every peer") for note in data["notes"]), data["notes"]
+    assert "÷ best raw, paired" in proc.stdout
