@@ -180,14 +180,18 @@ def time_interleaved(world: World, cases: dict[str, Callable[[], Any]], warmup: 
 
     Load drift on a shared host then hits every case alike, so ratios of
     paired repeats are steadier than ratios of cases timed one after another.
+    The order rotates every repeat, so that no case always follows the same
+    one (a gloo collective leaves gloo's threads busy for a while after it
+    returns, which slowed whatever ran next by up to 15%).
     """
     for fn in cases.values():
         for _ in range(warmup):
             fn()
+    names = list(cases)
     times: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(repeats):
-        for name, fn in cases.items():
-            times[name].extend(time_repeats(world, fn, 0, 1))
+    for i in range(repeats):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            times[name].extend(time_repeats(world, cases[name], 0, 1))
     return times
 
 
