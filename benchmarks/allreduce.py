@@ -63,6 +63,7 @@ from common import (
     markdown_table,
     median,
     peak_rss_mib,
+    release_free_memory,
     reset_peak_rss,
     run_child,
     same_allocator_for_every_peer,
@@ -122,6 +123,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--mlp-steps", type=int, default=30, help="training steps per timed repeat")
     g.add_argument("--mlp-repeats", type=int, default=3)
     g.add_argument("--mlp-warmup", type=int, default=5, help="untimed steps first")
+    g.add_argument("--mlp-paired-repeats", type=int, default=7,
+                   help="rounds of paired blocks (solo, no communication, raw MPI, DDP, hora) per hora "
+                        "controller; 0 skips them")
     p.add_argument("--malloc-tuning", action=argparse.BooleanOptionalAction, default=True,
                    help="run every peer with the glibc malloc thresholds hora sets at init (off: glibc's "
                         "dynamic defaults for all, hora included)")
@@ -540,8 +544,87 @@ def mlp_distributed(world: World, args: argparse.Namespace, engine: str, hvd: Mo
             "rss_before_mib": bases, "peak_is_per_phase": peak_reset}
 
 
+def mlp_paired(world: World, args: argparse.Namespace, engine: str, hvd: ModuleType) -> list[Row]:
+    """Part c again, in paired blocks: one process alone, two without communication, raw MPI, DDP and hora.
+
+    Each case trains its own copy of the MLP for ``--mlp-steps`` steps per
+    block; the blocks run in turn (order rotating), ``--mlp-paired-repeats``
+    times, and every ratio is the median of per-round ratios, so that load
+    drift hits all cases alike.  The solo block runs on rank 0 while the
+    other ranks wait without spinning: it is the 1-process-1-thread baseline
+    measured minutes, not a phase, apart from the others.  The no-communication
+    block is the ceiling of any data-parallel method on this host.
+    """
+    n, batch, size = args.mlp_steps, args.mlp_batch_size, world.size
+    mpi, comm = world.mpi, world.comm
+
+    def plain() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
+        model, x, y = mlp_setup(batch)
+        return model, torch.optim.SGD(model.parameters(), lr=0.01), x, y
+
+    def steps_of(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+                 after_backward: Callable[[], None] | None = None) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(n):
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                if after_backward is not None:
+                    after_backward()
+                opt.step()
+        return run
+
+    solo_run = steps_of(*plain())
+
+    def solo() -> None:
+        if world.rank == 0:
+            solo_run()
+        world.idle_barrier(0.0005)
+
+    raw_model, raw_opt, x, y = plain()
+    raw_params = list(raw_model.parameters())
+
+    def raw_allreduce() -> None:  # what a user writes with mpi4py: sum each gradient, then divide
+        for p in reversed(raw_params):
+            comm.Allreduce(mpi.IN_PLACE, p.grad.numpy(), op=mpi.SUM)
+            p.grad.div_(size)
+
+    ddp_model, x, y = mlp_setup(batch)
+    ddp_model = DistributedDataParallel(ddp_model)
+    hora_model, x, y = mlp_setup(batch)
+    hora_opt = hvd.DistributedOptimizer(torch.optim.SGD(hora_model.parameters(), lr=0.01),
+                                        named_parameters=hora_model.named_parameters(), op=hvd.Average)
+    cases = {
+        "1 process × 1 thread": solo,
+        "2 processes, no communication": steps_of(*plain()),
+        "raw MPI (mpi4py) allreduce loop": steps_of(raw_model, raw_opt, x, y, raw_allreduce),
+        "ddp": steps_of(ddp_model, torch.optim.SGD(ddp_model.parameters(), lr=0.01), x, y),
+        engine: steps_of(hora_model, hora_opt, x, y),
+    }
+    times = time_interleaved(world, cases, 1, args.mlp_paired_repeats)
+    solo_t, ddp_t = times["1 process × 1 thread"], times["ddp"]
+    rows = []
+    for name, ts in times.items():
+        ranks = 1 if name.startswith("1 process") else size
+        rows.append({"engine": name, "ranks": ranks, "paired_block": engine,
+                     "samples_per_s": batch * n * ranks / median(ts),
+                     "efficiency_paired": None if ranks == 1 else median(
+                         [s / t for s, t in zip(solo_t, ts, strict=True)]),
+                     "vs_ddp_paired": None if ranks == 1 else median([d / t for d, t in zip(ddp_t, ts, strict=True)])})
+        log(world, f"[mlp paired, {engine} phase] {name}: {rows[-1]['samples_per_s']:.0f} samples/s")
+    return rows
+
+
+def mlp_paired_table(rows: list[Row]) -> str:
+    """Markdown: the paired blocks of each hora phase."""
+    out = [[r["paired_block"], label(r["engine"]), str(r["ranks"]), f"{r['samples_per_s']:.0f}",
+            fmt_num(r["efficiency_paired"]), fmt_num(r["vs_ddp_paired"])] for r in rows]
+    return markdown_table(["phase", "case", "ranks", "samples/s (all ranks)", "scaling efficiency, paired",
+                           "÷ DDP, paired"], out)
+
+
 def mlp_table(rows: list[Row], world_size: int) -> str:
     """Markdown: throughput, scaling efficiency against 1 process × 1 thread, peak RSS."""
+    rows = [r for r in rows if "paired_block" not in r]
     one = next((r["samples_per_s"] for r in rows if r["engine"].startswith("1 process × 1 ")), None)
     two_threads = next((r["samples_per_s"] for r in rows if r["engine"].startswith("1 process × 2 ")), None)
     out = []
@@ -609,7 +692,11 @@ def measure_hora(world: World, args: argparse.Namespace, part: str, engine: str,
         return bench_sizes(world, args, engine, hvd)
     if part == "gradset":
         return bench_gradset(world, args, engine, hvd)
-    return [mlp_distributed(world, args, engine, hvd)]
+    rows = [mlp_distributed(world, args, engine, hvd)]
+    if args.mlp_paired_repeats:
+        rows += mlp_paired(world, args, engine, hvd)
+        release_free_memory()  # the next phase's peak RSS should not hold the five models of these blocks
+    return rows
 
 
 def run_part(world: World, args: argparse.Namespace, part: str, notes: dict[str, None]) -> list[Row]:
@@ -665,6 +752,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for part in args.parts:
             title, make = tables[part]
             print(f"## {title}\n\n{make(results[part])}\n")
+            paired = [r for r in results[part] if "paired_block" in r]
+            if paired:
+                print(f"## {title}: paired blocks\n\n{mlp_paired_table(paired)}\n")
         for note in notes:
             print(f"Note: {note}")
         if args.json:

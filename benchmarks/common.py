@@ -331,6 +331,23 @@ def same_allocator_for_every_peer(tuned: bool = True) -> str:
     return f"malloc: untouched for every peer ({why_not_tune(os.environ) or 'mallopt refused'})"
 
 
+def release_free_memory() -> None:
+    """Collect garbage and hand the heap's free pages back to the system (glibc ``malloc_trim``).
+
+    With hora's fixed trim threshold a process keeps up to 64 MiB of freed
+    heap; a benchmark phase that built throwaway models calls this so that the
+    next phase's peak RSS is its own.
+    """
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 # --------------------------------------------------------------------------- child processes
 
 

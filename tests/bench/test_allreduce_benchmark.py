@@ -16,7 +16,8 @@ def test_every_part_and_peer_with_a_paired_ratio(tmp_path, run_job):
     out = tmp_path / "bench.json"
     proc = run_job(2, [sys.executable, str(ROOT / "benchmarks" / "allreduce.py"), "--part", "sizes", "mlp",
                         "--sizes", "4K,2M", "--min-repeats", "2", "--max-repeats", "3", "--mlp-steps", "3",
-                        "--mlp-repeats", "1", "--mlp-warmup", "1", "--json", str(out)], mpi=True, timeout=200)
+                        "--mlp-repeats", "1", "--mlp-warmup", "1", "--mlp-paired-repeats", "2", "--json", str(out)],
+                   mpi=True, timeout=200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     sizes = {(r["engine"], r["bytes"]): r for r in data["results"]["sizes"]}
@@ -24,8 +25,14 @@ def test_every_part_and_peer_with_a_paired_ratio(tmp_path, run_job):
     for engine in ("hora-mpi", "hora-gloo"):
         assert "paired_ratio" not in sizes[(engine, 4096)]  # below --pair-from
         assert sizes[(engine, 2 << 20)]["paired_ratio"] > 0
-    engines = [r["engine"] for r in data["results"]["mlp"]]
+    mlp = data["results"]["mlp"]
+    engines = [r["engine"] for r in mlp if "paired_block" not in r]
     assert engines == ["1 process × 1 thread", "1 process × 2 threads", "ddp", "hora-mpi", "hora-gloo"]
-    assert all(r["samples_per_s"] > 0 for r in data["results"]["mlp"])
+    assert all(r["samples_per_s"] > 0 for r in mlp)
+    for phase in ("hora-mpi", "hora-gloo"):
+        paired = {r["engine"]: r for r in mlp if r.get("paired_block") == phase}
+        assert set(paired) == {"1 process × 1 thread", "2 processes, no communication",
+                               "raw MPI (mpi4py) allreduce loop", "ddp", phase}
+        assert paired["ddp"]["vs_ddp_paired"] == 1.0 and paired[phase]["efficiency_paired"] > 0
     assert any(note.startswith("malloc: every peer") for note in data["notes"]), data["notes"]
     assert "÷ best raw, paired" in proc.stdout
