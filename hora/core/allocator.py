@@ -9,8 +9,8 @@ threshold is free.  Both thresholds move at run time, and whether a step's
 tensors land in reused heap memory or in fresh pages depends on the order of
 the allocations before it.  Fresh pages fault on first touch: measured on the
 MLP benchmark, 1,100-3,200 page faults per step in a 2-rank job (and up to
-1,100 in a single process), making backward 30-50% slower than the same
-step with 1-4 faults.
+1,100 in a single process), which made a step 25-40% slower than the same
+step with 1-4 faults (docs/benchmarks.md).
 
 :func:`tune_malloc` fixes the thresholds where glibc's own dynamic rule
 ends up at its limit (mmap from 32 MiB, trim above 64 MiB free), so tensors

@@ -210,7 +210,7 @@ class GlooBackend(TorchDistBackend):
     # collectives (latency: 1.2-1.6 ms per 4 KiB allreduce against 1.9-2.1 ms with four
     # devices), and a bulk group of several devices (connections, each with its own I/O thread)
     # that gloo round-robins collectives over, for allreduces from ``bulk_bytes`` (throughput:
-    # ResNet-50's gradient set 1.16-1.18x one flat allreduce on one device, 1.01-1.02x on four).
+    # ResNet-50's gradient set 1.16-1.18x one flat allreduce on one device, 1.01-1.14x on four).
     # Measurements in docs/benchmarks.md.
     direct_threshold_bytes = 1 << 20
     concurrent = True
