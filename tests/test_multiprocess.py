@@ -25,13 +25,13 @@ def test_rank_level_suite(run_job, np, controller):
             f"rank {rank} did not report its tests passing:\n{tail}")
 
 
-@pytest.mark.parametrize("overlap", ["1", "0"])
-def test_training_with_and_without_overlap(run_job, overlap):
+@pytest.mark.parametrize(("controller", "overlap"), [("mpi", "1"), ("mpi", "0"), ("gloo", "1")])
+def test_training_with_and_without_overlap(run_job, controller, overlap):
     """DistributedOptimizer's two schedules: eager per-gradient allreduces from the hooks (overlap, the
     default with two or more cores per rank or on GPUs) and one grouped allreduce at step() (without)."""
     proc = run_job(2, [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                        "tests/parallel/test_training.py", "tests/parallel/test_optimizer_schedule.py"],
-                   mpi=True, timeout=300, env={"HORA_OVERLAP": overlap, "EXPECT_OVERLAP": overlap})
+                   mpi=controller == "mpi", timeout=300, env={"HORA_OVERLAP": overlap, "EXPECT_OVERLAP": overlap})
     tail = (proc.stdout[-4000:] + proc.stderr[-4000:])
     assert proc.returncode == 0, tail
     assert sum(" passed" in line for line in proc.stdout.splitlines()) == 2, tail
