@@ -230,7 +230,7 @@ class Executor:
             backend = self._backend_for(device.type)
             group = self._group(bucket.pset, backend)
             if len(bucket.slots) == 1:
-                finish = self._start_direct(bucket, bucket.slots[0], backend, group)
+                finish = self._start_direct(bucket, bucket.slots[0], backend, group, len(order))
             else:
                 numel = sum(s.source.numel() for s in bucket.slots)
                 key = (bucket.compute_dtype, str(device))
@@ -243,7 +243,7 @@ class Executor:
                     offset = 0
                 buf = self._fusion_buffer(bucket.compute_dtype, device, offset + numel)[offset : offset + numel]
                 claimed[key] = offset + numel
-                finish = self._start_fused(bucket, buf, backend, group)
+                finish = self._start_fused(bucket, buf, backend, group, len(order))
             if backend.concurrent:
                 in_flight.append(finish)
             else:
@@ -252,7 +252,9 @@ class Executor:
         for finish in in_flight:
             finish()
 
-    def _start_fused(self, bucket: _Bucket, buf: torch.Tensor, backend: Backend, group: Any) -> Callable[[], None]:
+    def _start_fused(
+        self, bucket: _Bucket, buf: torch.Tensor, backend: Backend, group: Any, fanout: int
+    ) -> Callable[[], None]:
         """Pack the bucket into ``buf`` and start its allreduce; returns what finishes it.
 
         Packing and unpacking are one torch call each (``cat``, ``_foreach_copy_``):
@@ -262,7 +264,7 @@ class Executor:
         slots = bucket.slots
         torch.cat([s.source.reshape(-1) for s in slots], out=buf)
         scale_(buf, bucket.prescale)
-        wait = backend.allreduce_start(buf, bucket.op, group)
+        wait = backend.allreduce_start(buf, bucket.op, group, fanout)
 
         def finish() -> None:
             wait()
@@ -276,7 +278,9 @@ class Executor:
 
         return finish
 
-    def _start_direct(self, bucket: _Bucket, slot: _Slot, backend: Backend, group: Any) -> Callable[[], None]:
+    def _start_direct(
+        self, bucket: _Bucket, slot: _Slot, backend: Backend, group: Any, fanout: int
+    ) -> Callable[[], None]:
         """Start the allreduce of one tensor in its own memory where possible; returns what finishes it."""
         src, out = slot.source, slot.output
         if src.dtype == bucket.compute_dtype and out.is_contiguous():
@@ -294,7 +298,7 @@ class Executor:
             if work.data_ptr() == src.data_ptr():
                 work = work.clone()
             scale_(work, bucket.prescale)
-        wait = backend.allreduce_start(work, bucket.op, group)
+        wait = backend.allreduce_start(work, bucket.op, group, fanout)
 
         def finish() -> None:
             wait()

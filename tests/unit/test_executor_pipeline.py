@@ -35,7 +35,7 @@ class Recorder(Backend):
         self.in_flight: dict[int, tuple[int, int]] = {}  # call id -> [start, end) address range
         self.most_in_flight = 0
 
-    def allreduce_start(self, buf: torch.Tensor, op: ReduceOp, group=None) -> Callable[[], None]:
+    def allreduce_start(self, buf: torch.Tensor, op: ReduceOp, group=None, fanout: int = 1) -> Callable[[], None]:
         call = len(self.events)
         lo = buf.data_ptr()
         hi = lo + buf.numel() * buf.element_size()

@@ -38,20 +38,22 @@ def test_large_tensor_is_reduced_in_pieces_in_place():
         bulk = backend._bulk[backend.pg][0]
 
         def recording(pg, buf, op):
-            calls.append((buf.data_ptr(), buf.numel()))
-            assert pg is (bulk if buf.numel() * 4 >= backend.bulk_bytes else backend.pg)
+            calls.append((buf.data_ptr(), buf.numel(), "bulk" if pg is bulk else "latency"))
             return real(pg, buf, op)
 
         backend._allreduce_on = recording
         t = torch.arange(3 * split + 5, dtype=torch.float32)
         backend.allreduce_(t, ReduceOp.SUM)
         assert len(calls) == 3  # three whole split_bytes: three pieces, fewer than the four devices
-        assert sum(n for _, n in calls) == t.numel() and calls[0][0] == t.data_ptr()
+        assert sum(n for _, n, _ in calls) == t.numel() and calls[0][0] == t.data_ptr()
+        assert {where for *_, where in calls} == {"bulk"}
         assert torch.equal(t, torch.arange(3 * split + 5, dtype=torch.float32))
         calls.clear()
-        backend.allreduce_(torch.ones(split), ReduceOp.SUM)
-        backend.allreduce_(torch.ones(1000), ReduceOp.SUM)  # small: the latency group
-        assert len(calls) == 2
+        one_piece = torch.ones(split)
+        backend.allreduce_start(one_piece, ReduceOp.SUM, fanout=backend.bulk_fanout)()  # a busy round: bulk
+        backend.allreduce_start(one_piece, ReduceOp.SUM, fanout=backend.bulk_fanout - 1)()  # a quiet one: latency
+        backend.allreduce_start(torch.ones(1000), ReduceOp.SUM, fanout=100)()  # small: always latency
+        assert [where for *_, where in calls] == ["bulk", "latency", "latency"]
     finally:
         backend.shutdown()
 

@@ -64,12 +64,16 @@ class Backend(abc.ABC):
     def allreduce_(self, buf: torch.Tensor, op: ReduceOp, group: Any = None) -> None:
         """Reduce ``buf`` in place across the group (op is SUM, MIN, MAX or PRODUCT)."""
 
-    def allreduce_start(self, buf: torch.Tensor, op: ReduceOp, group: Any = None) -> Callable[[], None]:
+    def allreduce_start(
+        self, buf: torch.Tensor, op: ReduceOp, group: Any = None, fanout: int = 1
+    ) -> Callable[[], None]:
         """Start reducing ``buf`` in place; returns the call that waits for the result.
 
         ``buf`` must not be touched until that call returns.  The default
         reduces at once (the returned wait does nothing); backends with
         ``concurrent`` set return as soon as the collective is queued.
+        ``fanout`` is how many allreduces the round keeps in flight together
+        (the same on every rank), for a backend that spreads them out.
         """
         self.allreduce_(buf, op, group)
         return nothing

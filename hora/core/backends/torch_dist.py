@@ -219,8 +219,10 @@ class GlooBackend(TorchDistBackend):
     threads = 8
     #: gloo worker threads of the bulk group, per device.
     bulk_threads_per_device = 4
-    #: allreduces of at least this many bytes run on the bulk group.
+    #: allreduces of at least this many bytes run on the bulk group ...
     bulk_bytes = 1 << 20
+    #: ... when the round keeps at least this many in flight (or the tensor is split).
+    bulk_fanout = 4
     #: a tensor is split over the bulk group's devices only into pieces at least this large.
     split_bytes = 8 << 20
 
@@ -237,12 +239,18 @@ class GlooBackend(TorchDistBackend):
     def allreduce_(self, buf: torch.Tensor, op: ReduceOp, group: Any = None) -> None:
         self.allreduce_start(buf, op, group)()
 
-    def allreduce_start(self, buf: torch.Tensor, op: ReduceOp, group: Any = None) -> Callable[[], None]:
+    def allreduce_start(
+        self, buf: torch.Tensor, op: ReduceOp, group: Any = None, fanout: int = 1
+    ) -> Callable[[], None]:
         """Queue the allreduce; a large tensor goes as up to one piece per bulk device, all in flight.
 
         A single collective runs on one device's connection; pieces of at
         least ``split_bytes`` on several of them took a 97 MiB allreduce to
-        0.88x the time of one call (docs/benchmarks.md).
+        0.88x the time of one call.  A round of fewer than ``bulk_fanout``
+        allreduces stays on the latency group unless a tensor is split: for
+        the MLP's three (two of 3-4 MiB), four connections made the step
+        ~8% slower than one, where ResNet-50's thirty gained from them
+        (docs/benchmarks.md).
         """
         if buf.numel() == 0:
             return nothing
@@ -253,7 +261,7 @@ class GlooBackend(TorchDistBackend):
         bulk, devices = self._bulk[pg]
         pieces = min(devices, nbytes // self.split_bytes)
         if pieces < 2:
-            return self._allreduce_on(bulk, buf, op).wait
+            return self._allreduce_on(bulk if fanout >= self.bulk_fanout else pg, buf, op).wait
         works = [self._allreduce_on(bulk, piece, op) for piece in buf.view(-1).chunk(pieces)]
 
         def wait() -> None:
