@@ -248,9 +248,9 @@ class GlooBackend(TorchDistBackend):
         least ``split_bytes`` on several of them took a 97 MiB allreduce to
         0.88x the time of one call.  A round of fewer than ``bulk_fanout``
         allreduces stays on the latency group unless a tensor is split: for
-        the MLP's three (two of 3-4 MiB), four connections made the step
-        ~8% slower than one, where ResNet-50's thirty gained from them
-        (docs/benchmarks.md).
+        the MLP's three (two of 3-4 MiB), four connections made a training
+        step 3 ms (~8%) slower than one in two A/B pairs, where ResNet-50's
+        thirty gain from them (docs/benchmarks.md).
         """
         if buf.numel() == 0:
             return nothing
