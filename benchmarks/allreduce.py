@@ -468,10 +468,13 @@ def mlp_setup(batch: int, seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch
     return model, torch.randn(batch, MLP_SIZES[0]), torch.randint(0, MLP_SIZES[-1], (batch,))
 
 
-def sgd_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
-    """One plain training step."""
+def sgd_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+             after_backward: Callable[[], None] | None = None) -> None:
+    """One plain training step (``after_backward`` runs between backward and the update)."""
     optimizer.zero_grad()
     F.cross_entropy(model(x), y).backward()
+    if after_backward is not None:
+        after_backward()
     optimizer.step()
 
 
@@ -557,30 +560,25 @@ def mlp_paired(world: World, args: argparse.Namespace, engine: str, hvd: ModuleT
     """
     n, batch, size = args.mlp_steps, args.mlp_batch_size, world.size
     mpi, comm = world.mpi, world.comm
+    _, x, y = mlp_setup(batch)  # every case trains a fresh copy of the model on this batch
 
-    def plain() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
-        model, x, y = mlp_setup(batch)
-        return model, torch.optim.SGD(model.parameters(), lr=0.01), x, y
-
-    def steps_of(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+    def steps_of(model: nn.Module, opt: torch.optim.Optimizer | None = None,
                  after_backward: Callable[[], None] | None = None) -> Callable[[], None]:
+        opt = opt or torch.optim.SGD(model.parameters(), lr=0.01)
+
         def run() -> None:
             for _ in range(n):
-                opt.zero_grad()
-                F.cross_entropy(model(x), y).backward()
-                if after_backward is not None:
-                    after_backward()
-                opt.step()
+                sgd_step(model, opt, x, y, after_backward)
         return run
 
-    solo_run = steps_of(*plain())
+    solo_run = steps_of(mlp_setup(batch)[0])
 
     def solo() -> None:
         if world.rank == 0:
             solo_run()
         world.idle_barrier(0.0005)
 
-    raw_model, raw_opt, x, y = plain()
+    raw_model = mlp_setup(batch)[0]
     raw_params = list(raw_model.parameters())
 
     def raw_allreduce() -> None:  # what a user writes with mpi4py: sum each gradient, then divide
@@ -588,17 +586,15 @@ def mlp_paired(world: World, args: argparse.Namespace, engine: str, hvd: ModuleT
             comm.Allreduce(mpi.IN_PLACE, p.grad.numpy(), op=mpi.SUM)
             p.grad.div_(size)
 
-    ddp_model, x, y = mlp_setup(batch)
-    ddp_model = DistributedDataParallel(ddp_model)
-    hora_model, x, y = mlp_setup(batch)
+    hora_model = mlp_setup(batch)[0]
     hora_opt = hvd.DistributedOptimizer(torch.optim.SGD(hora_model.parameters(), lr=0.01),
                                         named_parameters=hora_model.named_parameters(), op=hvd.Average)
     cases = {
         "1 process × 1 thread": solo,
-        "2 processes, no communication": steps_of(*plain()),
-        "raw MPI (mpi4py) allreduce loop": steps_of(raw_model, raw_opt, x, y, raw_allreduce),
-        "ddp": steps_of(ddp_model, torch.optim.SGD(ddp_model.parameters(), lr=0.01), x, y),
-        engine: steps_of(hora_model, hora_opt, x, y),
+        "2 processes, no communication": steps_of(mlp_setup(batch)[0]),
+        "raw MPI (mpi4py) allreduce loop": steps_of(raw_model, after_backward=raw_allreduce),
+        "ddp": steps_of(DistributedDataParallel(mlp_setup(batch)[0])),
+        engine: steps_of(hora_model, hora_opt),
     }
     times = time_interleaved(world, cases, 1, args.mlp_paired_repeats)
     solo_t, ddp_t = times["1 process × 1 thread"], times["ddp"]

@@ -232,6 +232,11 @@ class RendezvousConfig:
         )
 
 
+def interface_names(value: str) -> list[str]:
+    """The interfaces of a comma-separated list (``eth0,eth1``), as ``GLOO_SOCKET_IFNAME`` takes them."""
+    return [name.strip() for name in value.split(",") if name.strip()]
+
+
 PS_ROLES = ("worker", "server", "scheduler")
 
 

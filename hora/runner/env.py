@@ -39,7 +39,7 @@ import secrets
 import socket
 from collections.abc import Mapping
 
-from hora.config import MiB
+from hora.config import MiB, interface_names
 from hora.errors import LaunchError
 from hora.runner.config import LaunchConfig
 
@@ -134,7 +134,7 @@ def interface_address(interface: str) -> str:
     import psutil  # only needed with --network-interface
 
     addresses = psutil.net_if_addrs()
-    names = [n.strip() for n in interface.split(",") if n.strip()]
+    names = interface_names(interface)
     for name in names or [interface]:
         if name not in addresses:
             raise LaunchError(

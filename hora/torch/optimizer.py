@@ -368,7 +368,6 @@ class _DistributedOptimizer(_WrappedOptimizer):
         self._opt.zero_grad(set_to_none=set_to_none)
 
 
-
 def DistributedOptimizer(  # noqa: N802 - Horovod's public name
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,

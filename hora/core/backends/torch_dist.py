@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hora.config import interface_names
 from hora.core.backends.base import Backend, nothing
 from hora.core.ops import ReduceOp
 from hora.errors import BackendError, HoraError
@@ -112,14 +113,11 @@ class TorchDistBackend(Backend):
     # data plane
     def allreduce_(self, buf: torch.Tensor, op: ReduceOp, group: Any = None) -> None:
         if buf.numel():
-            self._allreduce_work(buf, op, group).wait()
-
-    def _allreduce_work(self, buf: torch.Tensor, op: ReduceOp, group: Any) -> Any:
-        """Queue an in-place allreduce on the process set's group; returns torch's Work."""
-        return self._allreduce_on(self._pg(group), buf, op)
+            self._allreduce_on(self._pg(group), buf, op).wait()
 
     @staticmethod
     def _allreduce_on(pg: Any, buf: torch.Tensor, op: ReduceOp) -> Any:
+        """Queue an in-place allreduce on ``pg``; returns torch's Work."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = _TORCH_OPS[op]
         return pg.allreduce([buf], opts)
@@ -317,9 +315,8 @@ class GlooBackend(TorchDistBackend):
         create = dist.ProcessGroupGloo.create_device
         if not self._interface:
             return [create(hostname=self._hostname or "") for _ in range(per_interface)]
-        names = [n.strip() for n in self._interface.split(",") if n.strip()]
         try:
-            return [create(interface=n) for n in names for _ in range(per_interface)]
+            return [create(interface=n) for n in interface_names(self._interface) for _ in range(per_interface)]
         except Exception as e:
             raise BackendError(
                 f"gloo cannot use network interface {self._interface!r} ({e}); pass an interface this host "
