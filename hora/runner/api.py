@@ -79,8 +79,10 @@ def run(
         disable_cache: accepted for compatibility; hora caches nothing here.
         output_filename: also write each rank's output to ``DIR/rank.N/``.
         verbose: print the launch plan.
-        use_gloo: run the gloo controller (the default).
-        use_mpi: run under mpirun with the MPI controller.
+        use_gloo: run the gloo controller, processes started by hora.
+        use_mpi: run under mpirun with the MPI controller.  With neither, a job
+            on this machine runs under mpirun when MPI is installed, as with
+            ``hora run``, and with gloo otherwise.
         mpi_args: extra mpirun arguments (a string or a list).
         network_interface: interface for rendezvous and gloo traffic.
         executable: the Python interpreter for the ranks (default: this one).

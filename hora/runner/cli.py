@@ -51,13 +51,15 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     how = parser.add_argument_group("how to launch")
     controller = how.add_mutually_exclusive_group()
     controller.add_argument("--gloo", dest="controller", action="store_const", const="gloo",
-                            help="gloo controller, processes started by hora (default)")
+                            help="gloo controller, processes started by hora (the default with other hosts, "
+                                 "parameter servers, or without MPI installed)")
     controller.add_argument("--mpi", dest="controller", action="store_const", const="mpi",
-                            help="MPI controller, processes started by mpirun")
+                            help="MPI controller, processes started by mpirun (the default on one machine when "
+                                 "mpirun and mpi4py are installed, as with horovodrun)")
     how.add_argument("--launcher", choices=AVAILABLE_LAUNCHERS,
                      help="how processes start: local, ssh (other hosts), mpi (mpirun), slurm (srun); "
                           "default: mpi with --mpi, ssh when -H names other hosts, slurm inside an allocation, "
-                          "else local")
+                          "else mpi when MPI is installed and neither --gloo nor -s is given, else local")
     how.add_argument("--mpi-args", dest="mpi_args", metavar="ARGS", help="extra arguments for mpirun, quoted")
     how.add_argument("--network-interface", dest="network_interface", metavar="IFACE",
                      help="network interface for rendezvous, gloo, MPI and the parameter servers "

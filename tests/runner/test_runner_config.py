@@ -11,7 +11,14 @@ import pytest
 
 from hora.errors import ConfigError, LaunchError
 from hora.runner.cli import build_parser, config_from_args
-from hora.runner.config import HostSlots, LaunchConfig, is_local_host, parse_hostfile, parse_hosts
+from hora.runner.config import (
+    HostSlots,
+    LaunchConfig,
+    is_local_host,
+    mpi_launch_available,
+    parse_hostfile,
+    parse_hosts,
+)
 from hora.runner.env import available_cpus, build_env
 from hora.runner.launch import check_command, plan_slots
 from hora.runner.launchers import get_launcher
@@ -33,7 +40,10 @@ def test_command_keeps_its_own_flags():
     assert config.num_proc == 2
     assert config.command == ("python", "train.py", "-np", "3", "--verbose")
     assert config.verbose is False
-    assert (config.controller, config.launcher) == ("gloo", "local")
+    expected = ("mpi", "mpi") if mpi_launch_available() else ("gloo", "local")  # horovodrun's default
+    assert (config.controller, config.launcher) == expected
+    assert (parse("-np", "2", "--gloo", "python").controller, parse("-np", "2", "--gloo", "python").launcher) == (
+        "gloo", "local")
 
 
 def test_double_dash_separator_is_dropped():
@@ -130,7 +140,7 @@ def test_knob_flags_are_parsed(tmp_path):
         (dict(num_proc=2, start_timeout=0), r"--start-timeout 0 must be > 0"),
         (dict(num_proc=2, controller="nccl"), r"controller 'nccl' is not one of gloo, mpi"),
         (dict(num_proc=2, launcher="k8s"), r"--launcher 'k8s' is not one of"),
-        (dict(num_proc=2, mpi_args=["-v"]), r"mpi_args only apply to the mpi launcher"),
+        (dict(num_proc=2, controller="gloo", mpi_args=["-v"]), r"mpi_args only apply to the mpi launcher"),
         (dict(num_proc=True), r"must be an integer"),
     ],
 )
@@ -194,8 +204,8 @@ def test_exit_status():
 
 def test_build_env_contract():
     config = LaunchConfig(
-        command=["python"], num_proc=2, fusion_threshold_mb=32, cycle_time_ms=5, start_timeout=20,
-        timeline_filename="tl.json", env={"EXTRA": "1"},
+        command=["python"], num_proc=2, controller="gloo", fusion_threshold_mb=32, cycle_time_ms=5,
+        start_timeout=20, timeline_filename="tl.json", env={"EXTRA": "1"},
     )
     base = {"PATH": "/bin", "HORA_RANK": "7", "HORA_FUSION_THRESHOLD_MB": "8"}
     env, notice = build_env(config, local_size=2, base=base)

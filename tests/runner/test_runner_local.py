@@ -1,4 +1,4 @@
-"""`hora run` with the local (gloo) launcher, as real processes."""
+"""`hora run --gloo`: the local launcher, as real processes."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def env_lines(stdout: str) -> dict[int, dict[str, str]]:
 
 @pytest.mark.timeout(60)
 def test_output_prefix_and_env_per_rank(hora_cli, scripts):
-    result = hora_cli("run", "-np", "3", PY, str(scripts / "env_dump.py"))
+    result = hora_cli("run", "--gloo", "-np", "3", PY, str(scripts / "env_dump.py"))
     assert result.returncode == 0, result.stderr
     ranks = env_lines(result.stdout)
     assert sorted(ranks) == [0, 1, 2]
@@ -50,14 +50,14 @@ def test_output_prefix_and_env_per_rank(hora_cli, scripts):
 
 @pytest.mark.timeout(60)
 def test_omp_num_threads_notice_and_value(hora_cli, scripts):
-    result = hora_cli("run", "-np", "2", PY, str(scripts / "env_dump.py"))
+    result = hora_cli("run", "--gloo", "-np", "2", PY, str(scripts / "env_dump.py"))
     expected = str(max(1, available_cpus() // 2))
     assert {env["OMP_NUM_THREADS"] for env in env_lines(result.stdout).values()} == {expected}
     assert result.stderr.count("hora run: setting OMP_NUM_THREADS") == 1
     assert f"setting OMP_NUM_THREADS={expected} for each process" in result.stderr
     assert "set OMP_NUM_THREADS yourself to override" in result.stderr
 
-    result = hora_cli("run", "-np", "2", PY, str(scripts / "env_dump.py"), env={"OMP_NUM_THREADS": "7"})
+    result = hora_cli("run", "--gloo", "-np", "2", PY, str(scripts / "env_dump.py"), env={"OMP_NUM_THREADS": "7"})
     assert {env["OMP_NUM_THREADS"] for env in env_lines(result.stdout).values()} == {"7"}
     assert "OMP_NUM_THREADS" not in result.stderr
 
@@ -65,7 +65,7 @@ def test_omp_num_threads_notice_and_value(hora_cli, scripts):
 @pytest.mark.timeout(60)
 def test_knob_flags_reach_the_workers(hora_cli, scripts, tmp_path):
     result = hora_cli(
-        "run", "-np", "2", "--fusion-threshold-mb", "32", "--cycle-time-ms", "5", "--start-timeout", "20",
+        "run", "--gloo", "-np", "2", "--fusion-threshold-mb", "32", "--cycle-time-ms", "5", "--start-timeout", "20",
         "--timeline-filename", str(tmp_path / "tl.json"), "--network-interface", "lo",
         "--output-filename", str(tmp_path / "logs"), PY, str(scripts / "env_dump.py"),
         env={"HORA_TEST_EXTRA": "kept"},
@@ -85,7 +85,7 @@ def test_knob_flags_reach_the_workers(hora_cli, scripts, tmp_path):
 @pytest.mark.timeout(60)
 def test_worker_crash_stops_the_job_and_names_the_root_cause(hora_cli, scripts):
     start = time.monotonic()
-    result = hora_cli("run", "-np", "2", PY, str(scripts / "crash.py"), "exit3")
+    result = hora_cli("run", "--gloo", "-np", "2", PY, str(scripts / "crash.py"), "exit3")
     elapsed = time.monotonic() - start
     assert result.returncode == 3
     assert elapsed < 10, f"the launcher took {elapsed:.1f} s to stop the job"
@@ -100,7 +100,7 @@ def test_worker_crash_stops_the_job_and_names_the_root_cause(hora_cli, scripts):
 @pytest.mark.timeout(60)
 def test_rank_killed_by_sigkill(hora_cli, scripts):
     start = time.monotonic()
-    result = hora_cli("run", "-np", "2", PY, str(scripts / "crash.py"), "sigkill")
+    result = hora_cli("run", "--gloo", "-np", "2", PY, str(scripts / "crash.py"), "sigkill")
     assert time.monotonic() - start < 10
     assert result.returncode == 128 + signal.SIGKILL
     assert "root cause: rank 1 on " in result.stderr
@@ -111,7 +111,7 @@ def test_rank_killed_by_sigkill(hora_cli, scripts):
 @pytest.mark.timeout(60)
 def test_worker_ignoring_sigterm_is_killed_after_the_grace_period(hora_cli, scripts):
     start = time.monotonic()
-    result = hora_cli("run", "-np", "2", PY, str(scripts / "crash.py"), "stubborn")
+    result = hora_cli("run", "--gloo", "-np", "2", PY, str(scripts / "crash.py"), "stubborn")
     elapsed = time.monotonic() - start
     assert result.returncode == 3
     assert 2.5 < elapsed < 12, f"expected SIGKILL after the ~3 s grace period, took {elapsed:.1f} s"
@@ -121,7 +121,7 @@ def test_worker_ignoring_sigterm_is_killed_after_the_grace_period(hora_cli, scri
 @pytest.mark.timeout(30)
 def test_nonexistent_command_fails_fast_with_its_name(hora_cli):
     start = time.monotonic()
-    result = hora_cli("run", "-np", "2", "nonexistent_cmd")
+    result = hora_cli("run", "--gloo", "-np", "2", "nonexistent_cmd")
     assert time.monotonic() - start < 10
     assert result.returncode == 1
     assert "hora run: error: cannot run 'nonexistent_cmd': command not found on PATH" in result.stderr
@@ -170,7 +170,7 @@ def test_console_script_and_no_subcommand(hora_cli, clean_env):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signals_are_forwarded_to_all_workers(launcher_bg, scripts, tmp_path, signum):
-    job = launcher_bg("-np", "2", PY, str(scripts / "wait_signal.py"), str(tmp_path))
+    job = launcher_bg("--gloo", "-np", "2", PY, str(scripts / "wait_signal.py"), str(tmp_path))
     job.wait_for("<stdout>:ready", 2)
     start = time.monotonic()
     job.proc.send_signal(signum)

@@ -36,6 +36,22 @@ def test_mpi4py_allreduce_joins_one_job_with_prefixed_output(hora_cli, scripts):
 
 
 @pytest.mark.timeout(60)
+def test_one_machine_defaults_to_mpirun_and_gloo_flag_opts_out(hora_cli, scripts):
+    # As horovodrun does when Horovod has MPI: no flag on one machine means mpirun and the MPI controller.
+    result = hora_cli("run", "-np", "2", "--verbose", PY, str(scripts / "mpi_allreduce.py"))
+    assert result.returncode == 0, result.stderr
+    assert "launcher mpi, controller mpi" in result.stderr
+    assert sorted(result.stdout.splitlines()) == [
+        "[0]<stdout>:rank 0 of 2: sum 3 controller mpi",
+        "[1]<stdout>:rank 1 of 2: sum 3 controller mpi",
+    ]
+    result = hora_cli("run", "--gloo", "-np", "2", "--verbose", PY, "-c", "import os; print(os.environ['HORA_RANK'])")
+    assert result.returncode == 0, result.stderr
+    assert "launcher local, controller gloo" in result.stderr
+    assert sorted(result.stdout.splitlines()) == ["[0]<stdout>:0", "[1]<stdout>:1"]
+
+
+@pytest.mark.timeout(60)
 def test_mpi_env_contract(hora_cli, scripts):
     result = hora_cli("run", "--mpi", "-np", "2", "--cycle-time-ms", "4", PY, str(scripts / "env_dump.py"))
     assert result.returncode == 0, result.stderr

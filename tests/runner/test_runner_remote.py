@@ -97,16 +97,21 @@ def test_mxnet_hostfile_spreads_the_workers_evenly(tmp_path):
 def test_launcher_is_chosen_when_unambiguous(tmp_path):
     local = (HostSlots("localhost", 2),)
     remote = (HostSlots("localhost", 1), HostSlots("node7", 1))
-    assert detect_launcher(None, None, {}) == "local"
-    assert detect_launcher(local, None, {}) == "local"
-    assert detect_launcher(remote, None, {}) == "ssh"
+    # One machine: mpirun when MPI is installed (as horovodrun does), else the local launcher.
+    assert detect_launcher(None, None, {}, mpi=True) == "mpi"
+    assert detect_launcher(local, None, {}, mpi=True) == "mpi"
+    assert detect_launcher(None, None, {}, mpi=False) == "local"
+    assert detect_launcher(local, None, {}, mpi=False) == "local"
+    assert detect_launcher(local, "gloo", {}, mpi=True) == "local"  # --gloo
+    assert detect_launcher(None, None, {}, servers=2, mpi=True) == "local"  # -s: hora starts the servers
+    assert detect_launcher(remote, None, {}, mpi=True) == "ssh"
     assert detect_launcher(remote, "mpi", {}) == "mpi"
     fake_srun = tmp_path / "srun"
     fake_srun.write_text("#!/bin/sh\n")
     fake_srun.chmod(0o755)
     allocation = {"SLURM_JOB_ID": "7", "PATH": str(tmp_path)}
     assert detect_launcher(None, None, allocation) == "slurm"
-    assert detect_launcher(None, None, {"SLURM_JOB_ID": "7", "PATH": "/nonexistent"}) == "local"  # no srun
+    assert detect_launcher(None, None, {"SLURM_JOB_ID": "7", "PATH": "/nonexistent"}, mpi=False) == "local"  # no srun
     assert detect_launcher(remote, None, allocation) == "ssh"  # an explicit host list wins
 
 
