@@ -287,6 +287,8 @@ class LaunchConfig:
     ssh_config_file: str | None = None
     ssh_connect_timeout: float = 10.0
     sync_dst_dir: str | None = None
+    #: True when neither a controller nor a launcher was asked for and MPI was picked because it is installed.
+    mpi_by_default: bool = dataclasses.field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self.command = tuple(self.command)
@@ -356,6 +358,7 @@ class LaunchConfig:
             every_host = None if self.hosts is None and not self.server_hosts else (
                 *self.host_list, *(HostSlots(h, 1) for h in self.server_host_list))
             self.launcher = detect_launcher(every_host, self.controller, servers=self.num_servers)
+            self.mpi_by_default = self.controller is None and self.launcher == "mpi"
         if self.controller is None:
             self.controller = "mpi" if self.launcher == "mpi" else "gloo"
         if self.controller == "mpi" and self.launcher != "mpi":

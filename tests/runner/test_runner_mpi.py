@@ -52,6 +52,16 @@ def test_one_machine_defaults_to_mpirun_and_gloo_flag_opts_out(hora_cli, scripts
 
 
 @pytest.mark.timeout(60)
+def test_mpirun_failing_by_default_points_to_gloo(hora_cli):
+    result = hora_cli("run", "-np", "2", "--mpi-args=--no-such-mpirun-flag", PY, "-c", "pass")
+    assert result.returncode != 0
+    assert "mpirun exited with code" in result.stderr and "before any rank failed" in result.stderr
+    assert "hora run used mpirun because MPI is installed: pass --gloo" in result.stderr
+    result = hora_cli("run", "--mpi", "-np", "2", "--mpi-args=--no-such-mpirun-flag", PY, "-c", "pass")
+    assert result.returncode != 0 and "pass --gloo" not in result.stderr  # asked for --mpi: no advice
+
+
+@pytest.mark.timeout(60)
 def test_mpi_env_contract(hora_cli, scripts):
     result = hora_cli("run", "--mpi", "-np", "2", "--cycle-time-ms", "4", PY, str(scripts / "env_dump.py"))
     assert result.returncode == 0, result.stderr

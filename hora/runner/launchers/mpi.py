@@ -186,7 +186,11 @@ class MpiLauncher:
             )
         except OSError as e:
             raise LaunchError(f"cannot start mpirun {command[0]!r}: {e.strerror or e}") from e
-        return ToolSupervisor(proc, slots, sink, interrupt, config.grace_period, tool="mpirun").run()
+        result = ToolSupervisor(proc, slots, sink, interrupt, config.grace_period, tool="mpirun").run()
+        if result.message and config.mpi_by_default:
+            result.message += ("; hora run used mpirun because MPI is installed: pass --gloo to start the "
+                               "processes with hora's own launcher instead")
+        return result
 
 
 class ToolSupervisor:
