@@ -123,9 +123,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--mlp-steps", type=int, default=30, help="training steps per timed repeat")
     g.add_argument("--mlp-repeats", type=int, default=3)
     g.add_argument("--mlp-warmup", type=int, default=5, help="untimed steps first")
-    g.add_argument("--mlp-paired-repeats", type=int, default=7,
-                   help="rounds of paired blocks (solo, no communication, raw MPI, DDP, hora) per hora "
-                        "controller; 0 skips them")
+    g.add_argument("--mlp-paired-repeats", type=int, default=12,
+                   help="paired blocks of each case (solo, no communication, raw MPI, DDP, hora) per hora "
+                        "controller, in cycles of 4 (each case once after each other); 0 skips them")
     p.add_argument("--malloc-tuning", action=argparse.BooleanOptionalAction, default=True,
                    help="run every peer with the glibc malloc thresholds hora sets at init (off: glibc's "
                         "dynamic defaults for all, hora included)")
@@ -551,9 +551,10 @@ def mlp_paired(world: World, args: argparse.Namespace, engine: str, hvd: ModuleT
     """Part c again, in paired blocks: one process alone, two without communication, raw MPI, DDP and hora.
 
     Each case trains its own copy of the MLP for ``--mlp-steps`` steps per
-    block; the blocks run in turn (order rotating), ``--mlp-paired-repeats``
-    times, and every ratio is the median of per-round ratios, so that load
-    drift hits all cases alike.  The solo block runs on rank 0 while the
+    block; the blocks run in a balanced order (every case once after each
+    other per cycle, :func:`common.time_interleaved`), ``--mlp-paired-repeats``
+    blocks of each, and every ratio is the median of per-cycle ratios, so
+    that load drift hits all cases alike.  The solo block runs on rank 0 while the
     other ranks wait without spinning: it is the 1-process-1-thread baseline
     measured minutes, not a phase, apart from the others.  The no-communication
     block is the ceiling of any data-parallel method on this host.

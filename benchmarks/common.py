@@ -174,24 +174,59 @@ def time_repeats(world: World | None, fn: Callable[[], Any], warmup: int, repeat
     return times if world is None else world.allmax(times)
 
 
+def balanced_order(names: Sequence[str]) -> list[str]:
+    """A cyclic order of ``names`` in which every case follows every other case exactly once.
+
+    An Eulerian circuit of the complete directed graph on the cases (no
+    self-loops), found with Hierholzer's algorithm: ``a b c a c b`` for three.
+    Each case appears ``len(names) - 1`` times, once after each of the others,
+    counting the wrap from the last entry back to the first.
+    """
+    names = list(names)
+    if len(names) < 2:
+        return names
+    unused = {a: [b for b in reversed(names) if b != a] for a in names}
+    stack, circuit = [names[0]], []
+    while stack:
+        here = stack[-1]
+        if unused[here]:
+            stack.append(unused[here].pop())
+        else:
+            circuit.append(stack.pop())
+    circuit.reverse()
+    return circuit[:-1]  # the circuit ends where it began
+
+
 def time_interleaved(world: World, cases: dict[str, Callable[[], Any]], warmup: int,
                      repeats: int) -> dict[str, list[float]]:
-    """:func:`time_repeats` for several cases at once: one repeat of each in turn.
+    """Seconds per call of each case, timed one call at a time in a balanced order, by cycle.
 
     Load drift on a shared host then hits every case alike, so ratios of
-    paired repeats are steadier than ratios of cases timed one after another.
-    The order rotates every repeat, so that no case always follows the same
-    one (a gloo collective leaves gloo's threads busy for a while after it
-    returns, which slowed whatever ran next by up to 15%).
+    paired values are steadier than ratios of cases timed one after another.
+    What ran just before a call matters too: a 16 MiB MPI allreduce took
+    11-15% longer right after a gloo allreduce than after another MPI one
+    (caches, gloo's threads), and in a plain rotation of hora, raw MPI and
+    raw gloo, hora followed gloo twice as often as raw MPI did, which put
+    hora's paired ratio ~13% too high.  The calls here follow
+    :func:`balanced_order`, in which every case follows every other case
+    once per cycle, and each value returned is a case's mean over one cycle:
+    value k of every case comes from the same cycle and the same mix of
+    predecessors.  ``repeats`` calls per case make ``ceil(repeats / (n - 1))``
+    cycles, at least two.
     """
     for fn in cases.values():
         for _ in range(warmup):
             fn()
-    names = list(cases)
+    order = balanced_order(list(cases))
+    per_cycle = max(1, len(cases) - 1)
+    cycles = max(2, -(-repeats // per_cycle))
     times: dict[str, list[float]] = {name: [] for name in cases}
-    for i in range(repeats):
-        for name in names[i % len(names):] + names[: i % len(names)]:
-            times[name].extend(time_repeats(world, cases[name], 0, 1))
+    for _ in range(cycles):
+        cycle: dict[str, float] = {name: 0.0 for name in cases}
+        for name in order:
+            cycle[name] += time_repeats(world, cases[name], 0, 1)[0]
+        for name in cases:
+            times[name].append(cycle[name] / per_cycle)
     return times
 
 

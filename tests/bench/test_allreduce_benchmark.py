@@ -36,3 +36,39 @@ def test_every_part_and_peer_with_a_paired_ratio(tmp_path, run_job):
         assert paired["ddp"]["vs_ddp_paired"] == 1.0 and paired[phase]["efficiency_paired"] > 0
     assert any(note.startswith("malloc: every peer") for note in data["notes"]), data["notes"]
     assert "÷ best raw, paired" in proc.stdout
+
+
+def _common():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import common
+    finally:
+        sys.path.pop(0)
+    return common
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7])
+def test_balanced_order_has_every_case_follow_every_other_once(n):
+    import itertools
+
+    names = [f"case{i}" for i in range(n)]
+    order = _common().balanced_order(names)
+    assert sorted(set(order)) == names and len(order) == max(1, n * (n - 1))
+    follows = [(order[i - 1], order[i]) for i in range(len(order))] if n > 1 else []
+    assert sorted(follows) == sorted(itertools.permutations(names, 2))  # the wrap counts: the order is cyclic
+
+
+def test_time_interleaved_values_are_per_cycle_means_in_the_balanced_order():
+    common = _common()
+    calls = []
+    clock = iter(range(1000))
+    cases = {name: (lambda name=name: calls.append(name)) for name in ("hora", "mpi", "gloo")}
+    real_perf_counter = common.time.perf_counter
+    common.time.perf_counter = lambda: float(next(clock))  # every call takes one "second"
+    try:
+        times = common.time_interleaved(None, cases, warmup=1, repeats=4)
+    finally:
+        common.time.perf_counter = real_perf_counter
+    order = common.balanced_order(list(cases))
+    assert calls == ["hora", "mpi", "gloo"] + order * 2  # warm-up, then ceil(4 / 2) = 2 cycles
+    assert times == {name: [1.0, 1.0] for name in cases}
