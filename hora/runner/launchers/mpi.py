@@ -18,7 +18,6 @@ import logging
 import os
 import queue
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from hora.errors import LaunchError
-from hora.runner.config import LaunchConfig, is_local_host
+from hora.runner.config import LaunchConfig, is_local_host, mpirun_path
 from hora.runner.env import Endpoints, available_cpus, forwarded_names, free_port, local_endpoints
 from hora.runner.launchers.base import (
     Interrupt,
@@ -56,10 +55,7 @@ def find_mpirun(env: Mapping[str, str]) -> str:
     Raises:
         LaunchError: no mpirun was found.
     """
-    beside = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    if os.access(beside, os.X_OK):
-        return beside
-    found = shutil.which("mpirun", path=env.get("PATH"))
+    found = mpirun_path(env)
     if found is None:
         raise LaunchError(
             "--mpi needs mpirun, which is neither next to the Python interpreter nor on PATH; "
