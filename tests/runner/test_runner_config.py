@@ -42,8 +42,8 @@ def test_command_keeps_its_own_flags():
     assert config.verbose is False
     expected = ("mpi", "mpi") if mpi_launch_available() else ("gloo", "local")  # horovodrun's default
     assert (config.controller, config.launcher) == expected
-    assert (parse("-np", "2", "--gloo", "python").controller, parse("-np", "2", "--gloo", "python").launcher) == (
-        "gloo", "local")
+    gloo = parse("-np", "2", "--gloo", "python")
+    assert (gloo.controller, gloo.launcher) == ("gloo", "local")
 
 
 def test_double_dash_separator_is_dropped():
