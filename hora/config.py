@@ -6,8 +6,8 @@ then environment variables, then defaults.  Each knob has a ``HORA_*`` name
 and, where Horovod had one, the ``HOROVOD_*`` name is accepted too so existing
 job scripts keep their tuning.
 
-The launcher and the runtime meet only through the variables in
-:data:`WORKER_ENV`; nothing else in hora reads ``os.environ``.
+The variable names are constants of :mod:`hora.envvars`, which the launcher
+uses too; nothing else in hora reads ``os.environ``.
 """
 
 from __future__ import annotations
@@ -17,25 +17,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from hora import envvars
 from hora.errors import ConfigError
 
 MiB = 1024 * 1024
-
-#: The environment the launcher gives each worker (see docs/architecture in DESIGN.md).
-WORKER_ENV = (
-    "HORA_RANK",
-    "HORA_SIZE",
-    "HORA_LOCAL_RANK",
-    "HORA_LOCAL_SIZE",
-    "HORA_CROSS_RANK",
-    "HORA_CROSS_SIZE",
-    "HORA_HOSTNAME",
-    "HORA_RENDEZVOUS_ADDR",
-    "HORA_RENDEZVOUS_PORT",
-    "HORA_SECRET",
-    "HORA_CONTROLLER",
-)
-
 
 def _lookup(env: Mapping[str, str], *names: str) -> str | None:
     for name in names:
@@ -147,33 +132,39 @@ class EngineConfig:
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> EngineConfig:
         """Build the config from environment variables, then explicit overrides."""
         env = os.environ if env is None else env
-        fusion_mb = _lookup(env, "HORA_FUSION_THRESHOLD_MB")
+        fusion_mb = _lookup(env, envvars.HORA_FUSION_THRESHOLD_MB)
         fusion = (
             int(float(fusion_mb) * MiB)
             if fusion_mb is not None
-            else _as_int(env, ("HORA_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"), 64 * MiB)
+            else _as_int(env, (envvars.HORA_FUSION_THRESHOLD, envvars.HOROVOD_FUSION_THRESHOLD), 64 * MiB)
         )
-        direct = _lookup(env, "HORA_DIRECT_THRESHOLD")
+        direct = _lookup(env, envvars.HORA_DIRECT_THRESHOLD)
         values: dict[str, Any] = dict(
-            controller=(_lookup(env, "HORA_CONTROLLER", "HOROVOD_CONTROLLER") or "auto").lower(),
+            controller=(_lookup(env, envvars.HORA_CONTROLLER, envvars.HOROVOD_CONTROLLER) or "auto").lower(),
             fusion_threshold_bytes=fusion,
-            cycle_time_ms=_as_float(env, ("HORA_CYCLE_TIME", "HOROVOD_CYCLE_TIME"), 1.0),
+            cycle_time_ms=_as_float(env, (envvars.HORA_CYCLE_TIME, envvars.HOROVOD_CYCLE_TIME), 1.0),
             direct_threshold_bytes=int(direct) if direct is not None else None,
-            cache_capacity=_as_int(env, ("HORA_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY"), 1024),
+            cache_capacity=_as_int(env, (envvars.HORA_CACHE_CAPACITY, envvars.HOROVOD_CACHE_CAPACITY), 1024),
             stall_check_seconds=(
                 0.0
-                if _as_bool(env, ("HORA_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_DISABLE"), False)
-                else _as_float(env, ("HORA_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS"), 60.0)
+                if _as_bool(env, (envvars.HORA_STALL_CHECK_DISABLE, envvars.HOROVOD_STALL_CHECK_DISABLE), False)
+                else _as_float(
+                    env, (envvars.HORA_STALL_CHECK_TIME_SECONDS, envvars.HOROVOD_STALL_CHECK_TIME_SECONDS), 60.0
+                )
             ),
             stall_shutdown_seconds=_as_float(
-                env, ("HORA_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"), 0.0
+                env, (envvars.HORA_STALL_SHUTDOWN_TIME_SECONDS, envvars.HOROVOD_STALL_SHUTDOWN_TIME_SECONDS), 0.0
             ),
-            start_timeout_seconds=_as_float(env, ("HORA_START_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS"), 30.0),
-            timeline_filename=_lookup(env, "HORA_TIMELINE", "HOROVOD_TIMELINE"),
-            mpi_threads=not _as_bool(env, ("HORA_MPI_THREADS_DISABLE", "HOROVOD_MPI_THREADS_DISABLE"), False),
-            overlap=None if (_lookup(env, "HORA_OVERLAP") or "auto") == "auto" else _as_bool(
-                env, ("HORA_OVERLAP",), True),
-            malloc_tuning=_as_bool(env, ("HORA_MALLOC_TUNING",), True),
+            start_timeout_seconds=_as_float(
+                env, (envvars.HORA_START_TIMEOUT, envvars.HOROVOD_GLOO_TIMEOUT_SECONDS), 30.0
+            ),
+            timeline_filename=_lookup(env, envvars.HORA_TIMELINE, envvars.HOROVOD_TIMELINE),
+            mpi_threads=not _as_bool(
+                env, (envvars.HORA_MPI_THREADS_DISABLE, envvars.HOROVOD_MPI_THREADS_DISABLE), False
+            ),
+            overlap=None if (_lookup(env, envvars.HORA_OVERLAP) or "auto") == "auto" else _as_bool(
+                env, (envvars.HORA_OVERLAP,), True),
+            malloc_tuning=_as_bool(env, (envvars.HORA_MALLOC_TUNING,), True),
         )
         values.update(overrides)
         return cls(**values)
@@ -214,21 +205,23 @@ class RendezvousConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RendezvousConfig:
         env = os.environ if env is None else env
-        addr = _lookup(env, "HORA_RENDEZVOUS_ADDR")
-        port = _lookup(env, "HORA_RENDEZVOUS_PORT")
+        addr = _lookup(env, envvars.HORA_RENDEZVOUS_ADDR)
+        port = _lookup(env, envvars.HORA_RENDEZVOUS_PORT)
         host_store = True
-        if addr is None and _lookup(env, "MASTER_ADDR") is not None:
-            addr, port = env["MASTER_ADDR"], _lookup(env, "MASTER_PORT")
-            host_store = (_lookup(env, "TORCHELASTIC_USE_AGENT_STORE") or "").lower() != "true"
+        if addr is None and _lookup(env, envvars.MASTER_ADDR) is not None:
+            addr, port = env[envvars.MASTER_ADDR], _lookup(env, envvars.MASTER_PORT)
+            host_store = (_lookup(env, envvars.TORCHELASTIC_USE_AGENT_STORE) or "").lower() != "true"
         if port is not None and not port.isdigit():
             raise ConfigError(f"rendezvous port {port!r} is not a number")
         return cls(
             addr=addr,
             port=int(port) if port is not None else None,
             host_store=host_store,
-            interface=_lookup(env, "HORA_NETWORK_INTERFACE", "GLOO_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE"),
-            secret=_lookup(env, "HORA_SECRET"),
-            gloo_devices=_as_int(env, ("HORA_GLOO_DEVICES",), 4),
+            interface=_lookup(
+                env, envvars.HORA_NETWORK_INTERFACE, envvars.GLOO_SOCKET_IFNAME, envvars.HOROVOD_GLOO_IFACE
+            ),
+            secret=_lookup(env, envvars.HORA_SECRET),
+            gloo_devices=_as_int(env, (envvars.HORA_GLOO_DEVICES,), 4),
         )
 
 
@@ -354,9 +347,9 @@ class PSConfig:
         Raises:
             ConfigError: the scheduler port or the role counts are missing.
         """
-        missing = [name for name, value in (("DMLC_PS_ROOT_PORT", self.root_port),
-                                            ("DMLC_NUM_SERVER", self.num_servers),
-                                            ("DMLC_NUM_WORKER", self.num_workers)) if value is None]
+        missing = [name for name, value in ((envvars.DMLC_PS_ROOT_PORT, self.root_port),
+                                            (envvars.DMLC_NUM_SERVER, self.num_servers),
+                                            (envvars.DMLC_NUM_WORKER, self.num_workers)) if value is None]
         if missing:
             raise ConfigError(
                 f"the parameter-server job is not configured: {', '.join(missing)} not set. Start the job with "
@@ -373,27 +366,29 @@ class PSConfig:
             return None if _lookup(env, *names) is None else _as_int(env, names, 0)
 
         values: dict[str, Any] = dict(
-            role=(_lookup(env, "HORA_PS_ROLE", "DMLC_ROLE") or "worker").lower(),
-            root_uri=_lookup(env, "HORA_PS_ROOT_URI", "DMLC_PS_ROOT_URI") or "127.0.0.1",
-            root_port=opt_int("HORA_PS_ROOT_PORT", "DMLC_PS_ROOT_PORT"),
-            num_servers=opt_int("HORA_PS_NUM_SERVER", "DMLC_NUM_SERVER"),
-            num_workers=opt_int("HORA_PS_NUM_WORKER", "DMLC_NUM_WORKER", "HORA_SIZE"),
-            worker_rank=opt_int("HORA_RANK", "DMLC_WORKER_ID"),
-            interface=_lookup(env, "HORA_PS_INTERFACE", "DMLC_INTERFACE", "HORA_NETWORK_INTERFACE"),
-            node_host=_lookup(env, "HORA_PS_NODE_HOST", "DMLC_NODE_HOST"),
-            secret=_lookup(env, "HORA_SECRET"),
-            bigarray_bound=_as_int(env, ("HORA_PS_BIGARRAY_BOUND", "MXNET_KVSTORE_BIGARRAY_BOUND"), 1_000_000),
-            part_bytes=_as_int(env, ("HORA_PS_PART_BYTES",), 4 * MiB),
-            resend_timeout_ms=_as_float(env, ("HORA_PS_RESEND_TIMEOUT_MS", "PS_RESEND_TIMEOUT"), 10000.0),
-            timeout_s=_as_float(env, ("HORA_PS_TIMEOUT", "PS_HEARTBEAT_TIMEOUT"), 60.0),
-            heartbeat_s=(None if _lookup(env, "HORA_PS_HEARTBEAT_INTERVAL", "PS_HEARTBEAT_INTERVAL") is None
-                         else _as_float(env, ("HORA_PS_HEARTBEAT_INTERVAL", "PS_HEARTBEAT_INTERVAL"), 1.0)),
-            start_timeout_s=_as_float(env, ("HORA_PS_START_TIMEOUT",), 120.0),
-            server_threads=_as_int(env, ("HORA_PS_SERVER_THREADS",), 0),
-            test_drop_reply_every=_as_int(env, ("HORA_PS_TEST_DROP_REPLY_EVERY",), 0),
-            shm=_as_bool(env, ("HORA_PS_SHM",), True),
-            shm_min_bytes=_as_int(env, ("HORA_PS_SHM_MIN_BYTES",), 256 * 1024),
-            server_index=opt_int("HORA_PS_SERVER_INDEX"),
+            role=(_lookup(env, envvars.HORA_PS_ROLE, envvars.DMLC_ROLE) or "worker").lower(),
+            root_uri=_lookup(env, envvars.HORA_PS_ROOT_URI, envvars.DMLC_PS_ROOT_URI) or "127.0.0.1",
+            root_port=opt_int(envvars.HORA_PS_ROOT_PORT, envvars.DMLC_PS_ROOT_PORT),
+            num_servers=opt_int(envvars.HORA_PS_NUM_SERVER, envvars.DMLC_NUM_SERVER),
+            num_workers=opt_int(envvars.HORA_PS_NUM_WORKER, envvars.DMLC_NUM_WORKER, envvars.HORA_SIZE),
+            worker_rank=opt_int(envvars.HORA_RANK, envvars.DMLC_WORKER_ID),
+            interface=_lookup(env, envvars.HORA_PS_INTERFACE, envvars.DMLC_INTERFACE, envvars.HORA_NETWORK_INTERFACE),
+            node_host=_lookup(env, envvars.HORA_PS_NODE_HOST, envvars.DMLC_NODE_HOST),
+            secret=_lookup(env, envvars.HORA_SECRET),
+            bigarray_bound=_as_int(
+                env, (envvars.HORA_PS_BIGARRAY_BOUND, envvars.MXNET_KVSTORE_BIGARRAY_BOUND), 1_000_000
+            ),
+            part_bytes=_as_int(env, (envvars.HORA_PS_PART_BYTES,), 4 * MiB),
+            resend_timeout_ms=_as_float(env, (envvars.HORA_PS_RESEND_TIMEOUT_MS, envvars.PS_RESEND_TIMEOUT), 10000.0),
+            timeout_s=_as_float(env, (envvars.HORA_PS_TIMEOUT, envvars.PS_HEARTBEAT_TIMEOUT), 60.0),
+            heartbeat_s=(None if _lookup(env, envvars.HORA_PS_HEARTBEAT_INTERVAL, envvars.PS_HEARTBEAT_INTERVAL) is None
+                         else _as_float(env, (envvars.HORA_PS_HEARTBEAT_INTERVAL, envvars.PS_HEARTBEAT_INTERVAL), 1.0)),
+            start_timeout_s=_as_float(env, (envvars.HORA_PS_START_TIMEOUT,), 120.0),
+            server_threads=_as_int(env, (envvars.HORA_PS_SERVER_THREADS,), 0),
+            test_drop_reply_every=_as_int(env, (envvars.HORA_PS_TEST_DROP_REPLY_EVERY,), 0),
+            shm=_as_bool(env, (envvars.HORA_PS_SHM,), True),
+            shm_min_bytes=_as_int(env, (envvars.HORA_PS_SHM_MIN_BYTES,), 256 * 1024),
+            server_index=opt_int(envvars.HORA_PS_SERVER_INDEX),
         )
         values.update(overrides)
         return cls(**values)

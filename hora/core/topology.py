@@ -12,6 +12,7 @@ import dataclasses
 import socket
 from collections.abc import Mapping
 
+from hora import envvars
 from hora.errors import TopologyError
 
 
@@ -75,45 +76,48 @@ def detect(env: Mapping[str, str]) -> Topology:
     Raises:
         TopologyError: a launcher's variables are present but inconsistent.
     """
-    host = env.get("HORA_HOSTNAME") or socket.gethostname()
-    if "HORA_RANK" in env:
-        size = _int(env, "HORA_SIZE")
-        local_size = _int(env, "HORA_LOCAL_SIZE") if "HORA_LOCAL_SIZE" in env else size
+    host = env.get(envvars.HORA_HOSTNAME) or socket.gethostname()
+    if envvars.HORA_RANK in env:
+        size = _int(env, envvars.HORA_SIZE)
+        rank = _int(env, envvars.HORA_RANK)
+        local_size = _int(env, envvars.HORA_LOCAL_SIZE) if envvars.HORA_LOCAL_SIZE in env else size
         return Topology(
-            rank=_int(env, "HORA_RANK"),
+            rank=rank,
             size=size,
-            local_rank=_int(env, "HORA_LOCAL_RANK") if "HORA_LOCAL_RANK" in env else _int(env, "HORA_RANK"),
+            local_rank=_int(env, envvars.HORA_LOCAL_RANK) if envvars.HORA_LOCAL_RANK in env else rank,
             local_size=local_size,
-            cross_rank=_int(env, "HORA_CROSS_RANK") if "HORA_CROSS_RANK" in env else 0,
-            cross_size=_int(env, "HORA_CROSS_SIZE") if "HORA_CROSS_SIZE" in env else max(1, size // local_size),
+            cross_rank=_int(env, envvars.HORA_CROSS_RANK) if envvars.HORA_CROSS_RANK in env else 0,
+            cross_size=(
+                _int(env, envvars.HORA_CROSS_SIZE) if envvars.HORA_CROSS_SIZE in env else max(1, size // local_size)
+            ),
             hostname=host,
             launcher="hora",
         )
-    if "OMPI_COMM_WORLD_RANK" in env:  # Open MPI's mpirun / prterun
+    if envvars.OMPI_COMM_WORLD_RANK in env:  # Open MPI's mpirun / prterun
         return _from_counts(
-            env,
-            "mpi",
-            host,
-            rank="OMPI_COMM_WORLD_RANK",
-            size="OMPI_COMM_WORLD_SIZE",
-            local_rank="OMPI_COMM_WORLD_LOCAL_RANK",
-            local_size="OMPI_COMM_WORLD_LOCAL_SIZE",
-            node_rank="OMPI_COMM_WORLD_NODE_RANK",
+            env, "mpi", host,
+            rank=envvars.OMPI_COMM_WORLD_RANK,
+            size=envvars.OMPI_COMM_WORLD_SIZE,
+            local_rank=envvars.OMPI_COMM_WORLD_LOCAL_RANK,
+            local_size=envvars.OMPI_COMM_WORLD_LOCAL_SIZE,
+            node_rank=envvars.OMPI_COMM_WORLD_NODE_RANK,
         )
-    if "PMI_RANK" in env:  # MPICH / Hydra
+    if envvars.PMI_RANK in env:  # MPICH / Hydra
         return _from_counts(
-            env, "mpi", host, rank="PMI_RANK", size="PMI_SIZE",
-            local_rank="MPI_LOCALRANKID", local_size="MPI_LOCALNRANKS", node_rank=None,
+            env, "mpi", host, rank=envvars.PMI_RANK, size=envvars.PMI_SIZE,
+            local_rank=envvars.MPI_LOCALRANKID, local_size=envvars.MPI_LOCALNRANKS, node_rank=None,
         )
-    if "RANK" in env and "WORLD_SIZE" in env and "LOCAL_RANK" in env:  # torchrun
+    torchrun = (envvars.TORCHRUN_RANK, envvars.TORCHRUN_WORLD_SIZE, envvars.TORCHRUN_LOCAL_RANK)
+    if all(name in env for name in torchrun):
         return _from_counts(
-            env, "torchrun", host, rank="RANK", size="WORLD_SIZE",
-            local_rank="LOCAL_RANK", local_size="LOCAL_WORLD_SIZE", node_rank="GROUP_RANK",
+            env, "torchrun", host, rank=envvars.TORCHRUN_RANK, size=envvars.TORCHRUN_WORLD_SIZE,
+            local_rank=envvars.TORCHRUN_LOCAL_RANK, local_size=envvars.TORCHRUN_LOCAL_WORLD_SIZE,
+            node_rank=envvars.TORCHRUN_GROUP_RANK,
         )
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:  # srun
+    if envvars.SLURM_PROCID in env and envvars.SLURM_NTASKS in env:  # srun
         return _from_counts(
-            env, "slurm", host, rank="SLURM_PROCID", size="SLURM_NTASKS",
-            local_rank="SLURM_LOCALID", local_size=None, node_rank="SLURM_NODEID",
+            env, "slurm", host, rank=envvars.SLURM_PROCID, size=envvars.SLURM_NTASKS,
+            local_rank=envvars.SLURM_LOCALID, local_size=None, node_rank=envvars.SLURM_NODEID,
         )
     return Topology(
         rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1,
@@ -137,8 +141,8 @@ def _from_counts(
     lr = _int(env, local_rank) if local_rank in env else 0
     if local_size is not None and local_size in env:
         ls = _int(env, local_size)
-    elif launcher == "slurm" and "SLURM_TASKS_PER_NODE" in env:
-        ls = _slurm_local_size(env["SLURM_TASKS_PER_NODE"], env.get("SLURM_NODEID", "0"))
+    elif launcher == "slurm" and envvars.SLURM_TASKS_PER_NODE in env:
+        ls = _slurm_local_size(env[envvars.SLURM_TASKS_PER_NODE], env.get(envvars.SLURM_NODEID, "0"))
     else:
         ls = n if lr == r else max(lr + 1, 1)
     cross_size = max(1, -(-n // ls))

@@ -47,6 +47,11 @@ import time
 MARKER = b"__hora_agent__ "
 _PR_SET_PDEATHSIG = 1
 _SIOCGIFADDR = 0x8915
+# The names of hora.envvars that the agent reads or sets; copied, because this file runs without hora
+# (tests/unit/test_env_contract.py checks that they match).
+GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
+HORA_NETWORK_INTERFACE = "HORA_NETWORK_INTERFACE"
+HORA_RENDEZVOUS_ADDR = "HORA_RENDEZVOUS_ADDR"
 
 
 def _ipv4_addresses() -> dict:
@@ -87,14 +92,14 @@ def route_interface(address: str) -> str | None:
 
 def default_gloo_interface(env: dict) -> None:
     """Set ``GLOO_SOCKET_IFNAME`` towards rank 0 when the job spans hosts and nobody chose one."""
-    if env.get("GLOO_SOCKET_IFNAME") or env.get("HORA_NETWORK_INTERFACE"):
+    if env.get(GLOO_SOCKET_IFNAME) or env.get(HORA_NETWORK_INTERFACE):
         return
-    address = env.get("HORA_RENDEZVOUS_ADDR", "")
+    address = env.get(HORA_RENDEZVOUS_ADDR, "")
     if not address or address in ("localhost", "::1") or address.startswith("127."):
         return
     interface = route_interface(address)
     if interface:
-        env["GLOO_SOCKET_IFNAME"] = interface
+        env[GLOO_SOCKET_IFNAME] = interface
 
 
 def _free_ports(count: int) -> list:

@@ -21,6 +21,7 @@ import shlex
 import sys
 from collections.abc import Callable, Sequence
 
+from hora import envvars
 from hora.bench.cli import HELP as BENCH_HELP
 from hora.bench.cli import add_arguments as add_bench_arguments
 from hora.bench.cli import run_command as bench_command
@@ -123,9 +124,9 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         num_proc = sum(h.slots for h in hosts)
     num_servers = args.num_servers
     if num_servers is None:
-        raw = os.environ.get("DMLC_NUM_SERVER", "0") or "0"
+        raw = os.environ.get(envvars.DMLC_NUM_SERVER, "0") or "0"
         if not raw.isdigit():
-            raise ConfigError(f"DMLC_NUM_SERVER={raw!r} is not a number of servers")
+            raise ConfigError(f"{envvars.DMLC_NUM_SERVER}={raw!r} is not a number of servers")
         num_servers = int(raw)
     return LaunchConfig(
         command=command,
@@ -140,7 +141,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         timeline_filename=args.timeline_filename,
         output_filename=args.output_filename,
         start_timeout=args.start_timeout,
-        network_interface=args.network_interface or os.environ.get("DMLC_INTERFACE") or None,
+        network_interface=args.network_interface or os.environ.get(envvars.DMLC_INTERFACE) or None,
         env=parse_env_flags(args.env),
         mpi_args=shlex.split(args.mpi_args) if args.mpi_args else (),
         verbose=args.verbose,

@@ -19,6 +19,7 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 
+from hora import envvars
 from hora.errors import ConfigError
 
 #: The launchers: ``local`` (children of hora run), ``ssh`` (other hosts over ssh),
@@ -216,7 +217,7 @@ def detect_launcher(
         return "mpi"
     if hosts is not None and any(not is_local_host(h.host) for h in hosts):
         return "ssh"
-    if hosts is None and environ.get("SLURM_JOB_ID") and shutil.which("srun", path=environ.get("PATH")):
+    if hosts is None and environ.get(envvars.SLURM_JOB_ID) and shutil.which("srun", path=environ.get("PATH")):
         return "slurm"
     if controller is None and servers == 0 and (mpi_launch_available(environ) if mpi is None else mpi):
         return "mpi"

@@ -1,31 +1,7 @@
-"""The environment every worker gets: the launcher/runtime contract.
+"""The environment every worker gets: :func:`build_env` fills in the launcher/worker contract.
 
-The launcher and the workers meet only through these variables (the rank
-ones are added per worker by the launcher, see :meth:`Slot.env`):
-
-==========================  ==================================================
-``HORA_RANK`` ...           rank, size, local/cross rank and size, hostname
-                            (gloo mode; under mpirun the ``OMPI_*`` ones serve)
-``HORA_CONTROLLER``         ``gloo`` or ``mpi``
-``HORA_RENDEZVOUS_ADDR``    where rank 0 hosts the rendezvous store
-``HORA_RENDEZVOUS_PORT``    a TCP port that was free when the launcher started
-``HORA_SECRET``             random per-job secret (hex)
-``HORA_FUSION_THRESHOLD``   bytes, only if ``--fusion-threshold-mb`` was given
-``HORA_CYCLE_TIME``         ms, only if ``--cycle-time-ms`` was given
-``HORA_TIMELINE``           only if ``--timeline-filename`` was given
-``HORA_START_TIMEOUT``      seconds, only if ``--start-timeout`` was given
-``HORA_NETWORK_INTERFACE``  and ``GLOO_SOCKET_IFNAME``, ``DMLC_INTERFACE``, with
-                            ``--network-interface``
-``OMP_NUM_THREADS``         cpus // local_size unless the user set it
-``PYTHONUNBUFFERED``        ``1``, so output arrives line by line
-``DMLC_*``                  with parameter servers (``-s S``, S > 0):
-                            ``DMLC_ROLE`` (``worker`` here; servers and the
-                            scheduler override it), ``DMLC_PS_ROOT_URI`` and
-                            ``DMLC_PS_ROOT_PORT`` (the scheduler),
-                            ``DMLC_NUM_SERVER``, ``DMLC_NUM_WORKER``;
-                            ``DMLC_NODE_HOST`` per host on multi-host jobs
-==========================  ==================================================
-
+The variable names and what each one carries are in :mod:`hora.envvars`;
+the rank variables are added per worker by the launcher (:meth:`Slot.env`).
 On other hosts (ssh launcher) a process gets the variables of
 :func:`forwarded_names` from the launcher and the rest from its own login
 environment.
@@ -39,21 +15,14 @@ import secrets
 import socket
 from collections.abc import Mapping
 
+from hora import envvars
 from hora.config import MiB, interface_names
 from hora.errors import LaunchError
 from hora.runner.config import LaunchConfig
 
-#: Variables a nested launch must not inherit from an outer ``hora run``.
-_RANK_VARIABLES = (
-    "HORA_RANK", "HORA_SIZE", "HORA_LOCAL_RANK", "HORA_LOCAL_SIZE",
-    "HORA_CROSS_RANK", "HORA_CROSS_SIZE", "HORA_HOSTNAME",
-    "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
-    "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME",
-)
-#: Per-job variables that an outer job's values must not leak into (the launcher sets them when they apply).
-_JOB_VARIABLES = (
-    "DMLC_ROLE", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_SERVER", "DMLC_NUM_WORKER", "DMLC_NODE_HOST",
-)
+#: Variables a nested launch must not inherit from an outer ``hora run``: the rank variables, and the
+#: per-job ones that an outer job's values must not leak into (the launcher sets them when they apply).
+NOT_INHERITED = envvars.WORKER_PLACEMENT + envvars.HOROVOD_PLACEMENT + envvars.PS_JOB
 
 
 def available_cpus() -> int:
@@ -114,11 +83,8 @@ def forwarded_names(env: Mapping[str, str], config: LaunchConfig) -> list[str]:
     ``NCCL_*``), the thread and Python settings, the search paths, and
     whatever the user set for the job (``--env``).
     """
-    prefixes = ("HORA_", "HOROVOD_", "DMLC_", "GLOO_", "NCCL_")
-    names = {n for n in env if n.startswith(prefixes)}
-    names |= {
-        "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONPATH", "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV",
-    } & set(env)
+    names = {n for n in env if n.startswith(envvars.FORWARDED_PREFIXES)}
+    names |= set(envvars.FORWARDED_NAMES) & set(env)
     names |= set(config.env) & set(env)
     return sorted(names)
 
@@ -167,41 +133,41 @@ def build_env(
     """
     env = dict(os.environ if base is None else base)
     env.update(config.env)
-    for name in _RANK_VARIABLES + _JOB_VARIABLES:
+    for name in NOT_INHERITED:
         env.pop(name, None)
     if endpoints is None:
         endpoints = local_endpoints(config)
     if config.network_interface:
-        env["HORA_NETWORK_INTERFACE"] = config.network_interface
-        env["GLOO_SOCKET_IFNAME"] = config.network_interface
-    env["HORA_CONTROLLER"] = str(config.controller)
-    env["HORA_RENDEZVOUS_ADDR"] = endpoints.addr
-    env["HORA_RENDEZVOUS_PORT"] = str(endpoints.port)
-    env["HORA_SECRET"] = secrets.token_hex(16)
+        env[envvars.HORA_NETWORK_INTERFACE] = config.network_interface
+        env[envvars.GLOO_SOCKET_IFNAME] = config.network_interface
+    env[envvars.HORA_CONTROLLER] = str(config.controller)
+    env[envvars.HORA_RENDEZVOUS_ADDR] = endpoints.addr
+    env[envvars.HORA_RENDEZVOUS_PORT] = str(endpoints.port)
+    env[envvars.HORA_SECRET] = secrets.token_hex(16)
     if config.num_servers > 0:
-        env["DMLC_ROLE"] = "worker"
-        env["DMLC_PS_ROOT_URI"] = endpoints.addr
+        env[envvars.DMLC_ROLE] = "worker"
+        env[envvars.DMLC_PS_ROOT_URI] = endpoints.addr
         ps_port = endpoints.ps_port if endpoints.ps_port is not None else free_port(endpoints.addr)
-        env["DMLC_PS_ROOT_PORT"] = str(ps_port)
-        env["DMLC_NUM_SERVER"] = str(config.num_servers)
-        env["DMLC_NUM_WORKER"] = str(config.num_proc)
+        env[envvars.DMLC_PS_ROOT_PORT] = str(ps_port)
+        env[envvars.DMLC_NUM_SERVER] = str(config.num_servers)
+        env[envvars.DMLC_NUM_WORKER] = str(config.num_proc)
         if config.network_interface:
-            env["DMLC_INTERFACE"] = config.network_interface
+            env[envvars.DMLC_INTERFACE] = config.network_interface
     if config.fusion_threshold_mb is not None:
-        env.pop("HORA_FUSION_THRESHOLD_MB", None)  # the flag wins over an inherited MB value
-        env["HORA_FUSION_THRESHOLD"] = str(int(config.fusion_threshold_mb * MiB))
+        env.pop(envvars.HORA_FUSION_THRESHOLD_MB, None)  # the flag wins over an inherited MB value
+        env[envvars.HORA_FUSION_THRESHOLD] = str(int(config.fusion_threshold_mb * MiB))
     if config.cycle_time_ms is not None:
-        env["HORA_CYCLE_TIME"] = _number(config.cycle_time_ms)
+        env[envvars.HORA_CYCLE_TIME] = _number(config.cycle_time_ms)
     if config.timeline_filename is not None:
-        env["HORA_TIMELINE"] = config.timeline_filename
+        env[envvars.HORA_TIMELINE] = config.timeline_filename
     if config.start_timeout is not None:
-        env["HORA_START_TIMEOUT"] = _number(config.start_timeout)
-    env["PYTHONUNBUFFERED"] = "1"
+        env[envvars.HORA_START_TIMEOUT] = _number(config.start_timeout)
+    env[envvars.PYTHONUNBUFFERED] = "1"
     notice = None
-    if not env.get("OMP_NUM_THREADS"):
+    if not env.get(envvars.OMP_NUM_THREADS):
         cpus = available_cpus()
         threads = max(1, cpus // max(1, local_size))
-        env["OMP_NUM_THREADS"] = str(threads)
+        env[envvars.OMP_NUM_THREADS] = str(threads)
         notice = (
             f"hora run: setting OMP_NUM_THREADS={threads} for each process ({cpus} CPUs shared by "
             f"{local_size} local processes) to avoid oversubscribing the CPUs; "

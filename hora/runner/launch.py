@@ -18,6 +18,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TextIO
 
+from hora import envvars
 from hora.errors import LaunchError
 from hora.runner.config import LaunchConfig
 from hora.runner.env import build_env
@@ -138,14 +139,15 @@ def _print_plan(config: LaunchConfig, slots: Sequence[Slot], env: Mapping[str, s
     hosts = ",".join(f"{h}:{n}" for h, n in per_host.items())
     print(
         f"hora run: {len(workers)} ranks on {hosts}, launcher {config.launcher}, controller {config.controller}, "
-        f"rendezvous {env['HORA_RENDEZVOUS_ADDR']}:{env['HORA_RENDEZVOUS_PORT']}",
+        f"rendezvous {env[envvars.HORA_RENDEZVOUS_ADDR]}:{env[envvars.HORA_RENDEZVOUS_PORT]}",
         file=stderr,
         flush=True,
     )
     others = [f"{s.name} on {s.host}" for s in slots if s.role != WORKER]
     if others:
         print(
-            f"hora run: {', '.join(others)}; scheduler at {env['DMLC_PS_ROOT_URI']}:{env['DMLC_PS_ROOT_PORT']}",
+            f"hora run: {', '.join(others)}; "
+            f"scheduler at {env[envvars.DMLC_PS_ROOT_URI]}:{env[envvars.DMLC_PS_ROOT_PORT]}",
             file=stderr, flush=True,
         )
 

@@ -31,6 +31,7 @@ import threading
 from collections.abc import Sequence
 from typing import BinaryIO
 
+from hora import envvars
 from hora.runner.agent import default_gloo_interface
 from hora.runner.launchers.base import exit_status, signal_group
 from hora.runner.output import prefix
@@ -38,8 +39,6 @@ from hora.runner.output import prefix
 MARKER = b"__hora_rank_exit__ "
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _PR_SET_PDEATHSIG = 1
-# Open MPI first: mpirun inside a Slurm allocation inherits the batch step's SLURM_PROCID.
-_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -58,10 +57,11 @@ def _set_parent_death_signal(libc: ctypes.CDLL | None, signum: int) -> None:
 
 def rank_from_env(env: dict[str, str] | os._Environ) -> int:
     """This process's rank under mpirun (Open MPI, PMIx or MPICH variables) or srun."""
-    for name in _RANK_VARIABLES:
+    for name in envvars.MPI_RANK_VARIABLES:
         if env.get(name, "").isdigit():
             return int(env[name])
-    raise SystemExit(f"hora.runner.mpi_child: none of {', '.join(_RANK_VARIABLES)} is set; run it under mpirun")
+    names = ", ".join(envvars.MPI_RANK_VARIABLES)
+    raise SystemExit(f"hora.runner.mpi_child: none of {names} is set; run it under mpirun")
 
 
 def marker_line(rank: int, returncode: int, stopped: bool) -> bytes:
@@ -121,7 +121,7 @@ def run_child(command: Sequence[str], rank: int) -> int:
 
     err = sys.stderr.buffer
     env = dict(os.environ)
-    if env.get("HORA_CONTROLLER") == "gloo":  # under srun: gloo must be told which interface reaches rank 0
+    if env.get(envvars.HORA_CONTROLLER) == "gloo":  # under srun: gloo must be told which interface reaches rank 0
         default_gloo_interface(env)
     try:
         proc = subprocess.Popen(

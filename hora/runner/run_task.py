@@ -17,6 +17,8 @@ import sys
 import traceback
 from typing import Any
 
+from hora import envvars
+
 TASK_FILE = "task.pkl"
 PATH_FILE = "sys_path.json"
 
@@ -47,8 +49,8 @@ def _picklable_error(error: BaseException, formatted: str) -> BaseException:
 
 def _rank() -> int:
     # Not hora.core.topology: importing hora.core would start the whole engine stack.
-    if os.environ.get("HORA_RANK", "").isdigit():
-        return int(os.environ["HORA_RANK"])
+    if os.environ.get(envvars.HORA_RANK, "").isdigit():
+        return int(os.environ[envvars.HORA_RANK])
     from hora.runner.mpi_child import rank_from_env
 
     return rank_from_env(os.environ)

@@ -17,6 +17,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from hora import envvars
+
 if TYPE_CHECKING:
     from hora.runner.config import HostSlots, LaunchConfig
     from hora.runner.env import Endpoints
@@ -69,21 +71,16 @@ class Slot:
         job's environment, see :mod:`hora.runner.env`).
         """
         if self.role != WORKER:
-            env = {"DMLC_ROLE": self.role}
+            env = {envvars.DMLC_ROLE: self.role}
             if self.role == SERVER:
-                env["HORA_PS_SERVER_INDEX"] = str(self.rank)  # so "[server i]" logs as server i
+                env[envvars.HORA_PS_SERVER_INDEX] = str(self.rank)  # so "[server i]" logs as server i
             return env
-        values = {
-            "RANK": str(self.rank),
-            "SIZE": str(self.size),
-            "LOCAL_RANK": str(self.local_rank),
-            "LOCAL_SIZE": str(self.local_size),
-            "CROSS_RANK": str(self.cross_rank),
-            "CROSS_SIZE": str(self.cross_size),
-            "HOSTNAME": self.host,
-        }
-        env = {f"HORA_{k}": v for k, v in values.items()}
-        env.update({f"HOROVOD_{k}": v for k, v in values.items()})
+        values = (
+            str(self.rank), str(self.size), str(self.local_rank), str(self.local_size),
+            str(self.cross_rank), str(self.cross_size), self.host,
+        )
+        env = dict(zip(envvars.WORKER_PLACEMENT, values, strict=True))
+        env.update(zip(envvars.HOROVOD_PLACEMENT, values, strict=True))
         return env
 
 

@@ -22,6 +22,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
+from hora import envvars
 from hora.errors import LaunchError
 from hora.runner.config import HostSlots, LaunchConfig, is_local_host, spread
 from hora.runner.env import Endpoints, free_port, interface_address
@@ -38,7 +39,7 @@ def find_srun(env: Mapping[str, str]) -> str:
     Raises:
         LaunchError: there is no srun, or this is not inside an allocation.
     """
-    if not env.get("SLURM_JOB_ID"):
+    if not env.get(envvars.SLURM_JOB_ID):
         raise LaunchError(
             "--launcher slurm runs inside a Slurm allocation (SLURM_JOB_ID is not set): "
             "start hora run from salloc or an sbatch script"
@@ -55,7 +56,7 @@ def allocation_nodes(env: Mapping[str, str]) -> list[str]:
     Raises:
         LaunchError: the node list cannot be read or expanded.
     """
-    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    nodelist = env.get(envvars.SLURM_JOB_NODELIST) or env.get(envvars.SLURM_NODELIST)
     if not nodelist:
         raise LaunchError("SLURM_JOB_NODELIST is not set; is this a Slurm allocation?")
     if "[" not in nodelist:
@@ -105,7 +106,8 @@ def allocation_hosts(num_proc: int, environ: Mapping[str, str] | None = None) ->
     environ = os.environ if environ is None else environ
     find_srun(environ)
     nodes = allocation_nodes(environ)
-    counts = expand_counts(environ["SLURM_TASKS_PER_NODE"]) if environ.get("SLURM_TASKS_PER_NODE") else []
+    tasks_per_node = environ.get(envvars.SLURM_TASKS_PER_NODE)
+    counts = expand_counts(tasks_per_node) if tasks_per_node else []
     if len(counts) == len(nodes) and sum(counts) == num_proc:
         return [HostSlots(n, c) for n, c in zip(nodes, counts, strict=True)]
     return [h for h in spread([HostSlots(n, 1, fixed=False) for n in nodes], num_proc) if h.slots > 0]

@@ -34,6 +34,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from hora import envvars
 from hora.errors import LaunchError
 from hora.runner.agent import MARKER
 from hora.runner.config import LaunchConfig, is_local_host
@@ -60,6 +61,22 @@ HELLO_SLACK_SECONDS = 20.0
 READY_TIMEOUT_SECONDS = 60.0
 #: After SIGKILL was sent, how long a host may take to confirm before its connection is cut.
 UNRESPONSIVE_SECONDS = 5.0
+
+
+def host_env(
+    env: Mapping[str, str], config: LaunchConfig, *, local: bool, node_host: str | None = None
+) -> dict[str, str]:
+    """The job's environment as the agent of one host gets it (each process adds its :meth:`Slot.env`).
+
+    On this machine all of ``env``; on another host only the variables of
+    :func:`forwarded_names`, because the host's own login environment gives
+    the rest.  With parameter servers, ``node_host`` (the host's address on a
+    multi-host job) becomes its ``DMLC_NODE_HOST``.
+    """
+    common = dict(env) if local else {name: env[name] for name in forwarded_names(env, config)}
+    if node_host is not None and config.num_servers > 0:
+        common[envvars.DMLC_NODE_HOST] = node_host
+    return common
 
 
 class _Agent:
@@ -261,11 +278,8 @@ class SshLauncher:
         interrupt: Interrupt,
     ) -> JobResult:
         """Have every agent check its share, start them all, and supervise until all have ended."""
-        forwarded = {name: env[name] for name in forwarded_names(env, config)}
         for host, agent in self.agents.items():
-            common = dict(env) if agent.local else dict(forwarded)
-            if host in self.host_addrs and config.num_servers > 0:
-                common["DMLC_NODE_HOST"] = self.host_addrs[host]
+            common = host_env(env, config, local=agent.local, node_host=self.host_addrs.get(host))
             processes = [
                 {"key": str(s.key), "argv": slot_command(config, s), "env": s.env()} for s in slots if s.host == host
             ]
