@@ -283,6 +283,14 @@ class PSConfig:
             (``HORA_PS_SHM_MIN_BYTES``).
         server_index: the launcher's index of this server (``HORA_PS_SERVER_INDEX``);
             the scheduler uses it as the server id when the indices are 0..S-1.
+        encrypt: encrypt every parameter-server connection with CURVE
+            (``HORA_PS_ENCRYPT``, default off).  Connections are authenticated at
+            the ZeroMQ handshake either way, by credentials derived from ``secret``;
+            every role of a job must use the same setting.  See docs/security.md.
+        max_frame_bytes: largest frame a server or worker accepts; a larger one
+            closes the sender's connection (``HORA_PS_MAX_FRAME_BYTES``, default
+            1 GiB).  Pushes and pulls travel in ``part_bytes`` pieces; a single
+            optimizer-state array (``save_optimizer_states``) must fit.
     """
 
     role: str = "worker"
@@ -305,6 +313,8 @@ class PSConfig:
     shm: bool = True
     shm_min_bytes: int = 256 * 1024
     server_index: int | None = None
+    encrypt: bool = False
+    max_frame_bytes: int = 1024 * MiB
 
     def __post_init__(self) -> None:
         if self.role not in PS_ROLES:
@@ -340,6 +350,9 @@ class PSConfig:
         if self.shm_min_bytes < 0 or (self.server_index is not None and self.server_index < 0):
             raise ConfigError(f"HORA_PS_SHM_MIN_BYTES={self.shm_min_bytes} and HORA_PS_SERVER_INDEX="
                               f"{self.server_index} must be >= 0")
+        if self.max_frame_bytes < self.part_bytes:
+            raise ConfigError(f"HORA_PS_MAX_FRAME_BYTES={self.max_frame_bytes} must be at least HORA_PS_PART_BYTES="
+                              f"{self.part_bytes}, the size of the pieces pushes and pulls travel in")
 
     def require_job(self) -> None:
         """Check that the knobs every role needs are present.
@@ -389,6 +402,8 @@ class PSConfig:
             shm=_as_bool(env, (envvars.HORA_PS_SHM,), True),
             shm_min_bytes=_as_int(env, (envvars.HORA_PS_SHM_MIN_BYTES,), 256 * 1024),
             server_index=opt_int(envvars.HORA_PS_SERVER_INDEX),
+            encrypt=_as_bool(env, (envvars.HORA_PS_ENCRYPT,), False),
+            max_frame_bytes=_as_int(env, (envvars.HORA_PS_MAX_FRAME_BYTES,), 1024 * MiB),
         )
         values.update(overrides)
         return cls(**values)
