@@ -16,7 +16,7 @@ table at the end with the cost model's prediction beside every measured row,
 write JSON with ``--json [FILE]`` (stdout without FILE; the table then goes
 to stderr) and a PNG with ``--plot FILE``.
 
-The ``hora`` CLI mounts this with :func:`add_arguments` and
+The ``hora`` CLI (:mod:`hora.cli`) mounts this with :func:`add_arguments` and
 :func:`run_command` (its SUBCOMMANDS table); :func:`add_parser` does the same
 on any ``add_subparsers()`` object, and ``python -m hora.bench.cli`` runs it
 alone.

@@ -1,6 +1,6 @@
 """``--emulate-hosts N --link 1gbit [--latency 0.1ms]``: run a benchmark on an emulated cluster.
 
-The emulation is :mod:`hora.runner.emulate`: one Linux network namespace per
+The emulation is :mod:`hora.testing.emulate`: one Linux network namespace per
 host on a bridge, each host's link shaped both ways with ``tc``, sshd on
 every host.  :func:`emulated_hosts` is the only place ``hora bench`` touches
 it: it starts ``N`` hosts, yields a :class:`Placement` (the ``-H`` list, the
@@ -19,24 +19,17 @@ run (no root, no ``ip netns``), asking for it raises
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
-import importlib
 import json
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from types import ModuleType
-from typing import Any
 
 from hora.bench.units import MiB, fmt_rate, parse_duration, parse_rate
 from hora.errors import ConfigError, HoraError, UnsupportedError
-
-#: The module of the cluster emulation.
-EMULATION_MODULE = "hora.runner.emulate"
-
+from hora.testing.emulate import EmulatedCluster
 
 #: Port the calibration streams listen on (each emulated host has a network namespace of its own).
 CALIBRATION_PORT = 5201
@@ -148,23 +141,6 @@ class Emulation:
         return f"{self.hosts} emulated hosts, {fmt_rate(self.link_bps)} links, {self.latency_s * 1e3:g} ms latency"
 
 
-def emulation_module() -> ModuleType | None:
-    """The cluster-emulation module if this installation has one, else None."""
-    try:
-        return importlib.import_module(EMULATION_MODULE)
-    except ImportError:
-        return None
-
-
-def _run_accepts(flag: str) -> bool:
-    """Whether ``hora run`` has ``flag`` in this installation."""
-    from hora.runner.cli import add_run_arguments
-
-    parser = argparse.ArgumentParser()
-    add_run_arguments(parser)
-    return flag in parser._option_string_actions
-
-
 @contextlib.contextmanager
 def emulated_hosts(emulation: Emulation, calibrate_links: bool = True) -> Iterator[Placement]:
     """Start the emulated cluster; yield where jobs run on it; tear it down after.
@@ -173,21 +149,10 @@ def emulated_hosts(emulation: Emulation, calibrate_links: bool = True) -> Iterat
     first (:func:`calibrate`), for the cost model.
 
     Raises:
-        UnsupportedError: no cluster emulation in this installation, or it
-            cannot run here (no root, no ``ip netns``, no sshd), or ``hora run``
-            has no ssh launcher to reach its hosts.
+        UnsupportedError: the cluster cannot run here (no root, no ``ip netns``, no sshd).
     """
-    module = emulation_module()
-    if module is None:
-        raise UnsupportedError(
-            f"--emulate-hosts needs hora's cluster emulation ({EMULATION_MODULE}), which this installation "
-            "does not have; run without --emulate-hosts, or on a real cluster with -H/--hostfile")
-    for flag in ("--ssh-config-file", "--server-hosts"):
-        if not _run_accepts(flag):
-            raise UnsupportedError(f"--emulate-hosts needs hora run's ssh launcher and its {flag} flag to reach "
-                                   "the emulated hosts, which this installation does not have")
     try:
-        cluster = module.EmulatedCluster(emulation.hosts, link=emulation.link, latency=emulation.latency)
+        cluster = EmulatedCluster(emulation.hosts, link=emulation.link, latency=emulation.latency)
         cluster.start()
     except HoraError as e:
         if isinstance(e, ConfigError):
@@ -203,7 +168,7 @@ def emulated_hosts(emulation: Emulation, calibrate_links: bool = True) -> Iterat
         cluster.close()
 
 
-def calibrate(cluster: Any, emulation: Emulation, timeout_s: float = 60.0) -> LinkCalibration:
+def calibrate(cluster: EmulatedCluster, emulation: Emulation, timeout_s: float = 60.0) -> LinkCalibration:
     """Measure a started cluster: one stream's goodput over a shaped link, then the machine's rate unshaped.
 
     The goodput stream runs from the first host to the second and carries
@@ -229,7 +194,7 @@ def calibrate(cluster: Any, emulation: Emulation, timeout_s: float = 60.0) -> Li
     return LinkCalibration(goodput_bps=goodput * 8, machine_bytes_per_s=machine, pairs=len(pairs))
 
 
-def _streams(cluster: Any, pairs: list[tuple[tuple[str, str], tuple[str, str]]], nbytes: int,
+def _streams(cluster: EmulatedCluster, pairs: list[tuple[tuple[str, str], tuple[str, str]]], nbytes: int,
              timeout_s: float) -> float:
     """Bytes per second of ``pairs`` (sender, receiver) streams of ``nbytes`` each, run at once."""
     from hora.bench.jobs import job_env

@@ -9,7 +9,10 @@ command lines from either world work with ``hora run`` in their place.
 Where MXNet reads ``DMLC_NUM_SERVER`` and ``DMLC_INTERFACE``, so does
 ``hora run`` when ``-s`` / ``--network-interface`` are not given.
 
-Subcommands live in :data:`SUBCOMMANDS`: ``run`` and ``bench`` (``hora.bench``).
+The ``hora`` command itself is :mod:`hora.cli`, which mounts ``run`` from
+here beside ``bench``; :func:`build_parser` and :func:`main` take its table
+of subcommands, and ``python -m hora.runner.cli run ...`` runs ``hora run``
+alone (the launcher never imports :mod:`hora.bench`).
 """
 
 from __future__ import annotations
@@ -19,16 +22,14 @@ import logging
 import os
 import shlex
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from hora import envvars
-from hora.bench.cli import HELP as BENCH_HELP
-from hora.bench.cli import add_arguments as add_bench_arguments
-from hora.bench.cli import run_command as bench_command
+from hora import __version__, envvars
 from hora.errors import ConfigError, LaunchError
 from hora.runner.config import AVAILABLE_LAUNCHERS, LaunchConfig, parse_hostfile, parse_hosts
 
-VERSION = "0.1.0"
+#: A subcommand of ``hora``: its help line, what adds its flags to a parser, and its handler.
+Subcommand = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[..., int]]
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -186,20 +187,19 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         return 1
 
 
-#: name -> (help, add_arguments, handler).  ``bench`` and ``check`` are planned.
-SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[..., int]]] = {
+#: The subcommands the launcher provides (:mod:`hora.cli` adds ``bench``).
+SUBCOMMANDS: dict[str, Subcommand] = {
     "run": ("launch a training job on N processes", add_run_arguments, run_command),
-    "bench": (BENCH_HELP, add_bench_arguments, bench_command),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(subcommands: Mapping[str, Subcommand] = SUBCOMMANDS) -> argparse.ArgumentParser:
     """The ``hora`` parser with one sub-parser per subcommand."""
     parser = argparse.ArgumentParser(prog="hora", description="hora: data-parallel training launcher",
                                      allow_abbrev=False)
-    parser.add_argument("--version", action="version", version=f"hora {VERSION}")
+    parser.add_argument("--version", action="version", version=f"hora {__version__}")
     sub = parser.add_subparsers(dest="subcommand", metavar="COMMAND")
-    for name, (help_text, add_arguments, handler) in SUBCOMMANDS.items():
+    for name, (help_text, add_arguments, handler) in subcommands.items():
         subparser = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         add_arguments(subparser)
         subparser.set_defaults(handler=handler, subparser=subparser)
@@ -236,9 +236,9 @@ def bare_servers_flag(argv: Sequence[str]) -> list[str]:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``hora`` console script."""
-    parser = build_parser()
+def main(argv: Sequence[str] | None = None, subcommands: Mapping[str, Subcommand] = SUBCOMMANDS) -> int:
+    """Parse ``argv`` (default: the process's arguments) and run the subcommand it names."""
+    parser = build_parser(subcommands)
     argv = bare_servers_flag(sys.argv[1:] if argv is None else argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # report it with the subcommand's usage, not the top-level one

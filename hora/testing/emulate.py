@@ -26,7 +26,7 @@ apt-get when allowed).  :func:`unavailable_reason` says why a machine cannot
 run it.  Set-up and teardown are idempotent; teardown runs on ``close()``,
 on leaving the ``with`` block and at interpreter exit, and resources left by
 a process that died are swept when the next cluster starts.
-``python -m hora.runner.emulate up|down|sweep`` drives it by hand.
+``python -m hora.testing.emulate up|down|sweep`` drives it by hand.
 """
 
 from __future__ import annotations
@@ -711,14 +711,14 @@ def _tbf(rate: str) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hora.runner.emulate up [-n 3] [--link 1gbit] [--latency 0.1ms] | sweep``.
+    """``python -m hora.testing.emulate up [-n 3] [--link 1gbit] [--latency 0.1ms] | sweep``.
 
     ``up`` starts a cluster, prints how to use it and keeps it up until
     Ctrl-C; ``sweep`` removes clusters left by dead processes.
     """
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m hora.runner.emulate")
+    parser = argparse.ArgumentParser(prog="python -m hora.testing.emulate")
     sub = parser.add_subparsers(dest="action", required=True)
     up = sub.add_parser("up", help="start a cluster and keep it up until Ctrl-C")
     up.add_argument("-n", "--hosts", type=int, default=3)

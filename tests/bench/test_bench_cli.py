@@ -96,13 +96,16 @@ def test_no_benchmark_given(capsys):
     assert "choose a benchmark" in capsys.readouterr().err
 
 
-def test_emulation_missing_is_reported(capsys, monkeypatch):
-    from hora.bench import emulate
+def test_an_emulation_that_cannot_run_here_is_reported(capsys, monkeypatch):
+    from hora.testing import emulate
 
-    monkeypatch.setattr(emulate, "emulation_module", lambda: None)
+    def unavailable(self):
+        raise emulate.ClusterUnavailable("the emulated cluster needs root (network namespaces, veth links, tc)")
+
+    monkeypatch.setattr(emulate.EmulatedCluster, "start", unavailable)
     assert cli.main(["allreduce", "--emulate-hosts", "2", "--link", "1gbit", "--no-cpu-term"]) == 1
     err = capsys.readouterr().err
-    assert "cluster emulation" in err and "run without --emulate-hosts" in err
+    assert "cannot start 2 emulated hosts, 1 Gbit/s links" in err and "needs root" in err
 
 
 def test_add_parser_mounts_bench_on_a_cli():

@@ -86,7 +86,7 @@ def test_several_worker_counts_compare_within_each_count():
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_calibrating_a_real_emulated_cluster():
-    emulate = pytest.importorskip("hora.runner.emulate")
+    from hora.testing import emulate
     emulation = Emulation(hosts=2, link="100mbit")
     try:
         cluster = emulate.EmulatedCluster(2, link="100mbit").start()

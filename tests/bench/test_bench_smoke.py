@@ -18,12 +18,8 @@ MXNET_PYTHON = MXNET_VENV / "bin" / "python"
 
 
 def bench_command() -> list[str]:
-    """``hora bench`` through the hora CLI once it mounts it, else through hora.bench.cli directly."""
-    from hora.runner import cli
-
-    if "bench" in getattr(cli, "SUBCOMMANDS", {}):
-        return [sys.executable, "-m", "hora.runner.cli", "bench"]
-    return [sys.executable, "-m", "hora.bench.cli"]
+    """``hora bench`` as the console script runs it."""
+    return [sys.executable, "-m", "hora.cli", "bench"]
 
 
 def env() -> dict[str, str]:

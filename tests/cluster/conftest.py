@@ -1,4 +1,4 @@
-"""The emulated 3-host cluster the multi-node tests run on (see :mod:`hora.runner.emulate`).
+"""The emulated 3-host cluster the multi-node tests run on (see :mod:`hora.testing.emulate`).
 
 One cluster serves the whole session; it is torn down by the fixture's
 finalizer (and, should the process die, by the stale sweep of the next run).
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hora.runner.emulate import ClusterUnavailable, EmulatedCluster
+from hora.testing.emulate import ClusterUnavailable, EmulatedCluster
 
 SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).resolve().parents[2]

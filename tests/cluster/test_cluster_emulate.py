@@ -12,7 +12,7 @@ import time
 import pytest
 
 from hora.errors import ConfigError
-from hora.runner.emulate import REGISTRY, ClusterUnavailable, EmulatedCluster, latency_supported, sweep_stale
+from hora.testing.emulate import REGISTRY, ClusterUnavailable, EmulatedCluster, latency_supported, sweep_stale
 
 pytestmark = pytest.mark.netns
 
@@ -130,7 +130,7 @@ def test_close_is_idempotent_and_removes_everything():
 
 @pytest.mark.timeout(120)
 def test_a_cluster_left_by_a_killed_process_is_swept():
-    code = ("from hora.runner.emulate import EmulatedCluster; import json, time; c = EmulatedCluster(2).start(); "
+    code = ("from hora.testing.emulate import EmulatedCluster; import json, time; c = EmulatedCluster(2).start(); "
             "print(json.dumps([c.index, c.state_dir, [h.pid for h in c.hosts]]), flush=True); time.sleep(120)")
     owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:

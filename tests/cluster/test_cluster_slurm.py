@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hora.runner.emulate import ClusterUnavailable
+from hora.testing.emulate import ClusterUnavailable
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 

@@ -367,7 +367,7 @@ def test_slurm_launcher_endpoint_outside_allocation_is_clear():
 
 
 def test_emulated_cluster_says_why_it_cannot_run(monkeypatch):
-    from hora.runner import emulate
+    from hora.testing import emulate
 
     monkeypatch.setattr(emulate.os, "geteuid", lambda: 1000)
     assert emulate.unavailable_reason() == "the emulated cluster needs root (network namespaces, veth links, tc)"

@@ -111,7 +111,7 @@ def find_server(launcher_pid: int, timeout: float = 30) -> int:
 @pytest.mark.timeout(180)
 def test_server_hosts_put_the_servers_on_a_host_without_workers(clean_env):
     """On an emulated 3-host cluster: 2 workers on h1 and h2, ``--server-hosts h3`` puts both servers on h3."""
-    emulate = pytest.importorskip("hora.runner.emulate")
+    from hora.testing import emulate
     try:
         cluster = emulate.EmulatedCluster(3).start()
     except emulate.ClusterUnavailable as e:

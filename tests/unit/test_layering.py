@@ -9,14 +9,30 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "hora"
 
-# package -> packages it must never import
+#: The deep-learning frameworks; only the bindings (and bench, examples) may import them.
+FRAMEWORKS = ("torch", "tensorflow", "keras", "mxnet")
+#: Every hora package or module above the errors/config/envvars floor.
+_ABOVE_FLOOR = ("hora.core", "hora.torch", "hora.keras", "hora.tensorflow", "hora.mxnet", "hora.kvstore",
+                "hora.runner", "hora.bench", "hora.testing", "hora.cli")
+
+# package -> packages it must never import (anywhere in a file, function bodies included)
 FORBIDDEN = {
-    "hora/core": ("hora.torch", "hora.keras", "hora.mxnet", "hora.runner", "hora.kvstore"),
-    "hora/kvstore": ("hora.torch", "hora.keras", "hora.mxnet", "hora.runner"),
-    "hora/torch": ("hora.runner", "hora.keras", "hora.mxnet"),
-    "hora/errors.py": ("hora.core", "hora.torch", "hora.runner"),
-    "hora/config.py": ("hora.core", "hora.torch", "hora.runner"),
+    "hora/core": ("hora.torch", "hora.keras", "hora.mxnet", "hora.runner", "hora.kvstore", "hora.bench",
+                  "hora.testing", "hora.cli"),
+    "hora/kvstore": ("hora.torch", "hora.keras", "hora.mxnet", "hora.runner", "hora.bench", "hora.testing",
+                     "hora.cli"),
+    "hora/torch": ("hora.runner", "hora.keras", "hora.mxnet", "hora.bench", "hora.testing", "hora.cli"),
+    "hora/runner": ("hora.bench", "hora.testing", "hora.cli", "hora.kvstore", "hora.core"),
+    "hora/bench": ("hora.cli",),
+    "hora/testing": tuple(p for p in _ABOVE_FLOOR if p != "hora.testing"),
+    "hora/errors.py": ("hora.config", "hora.envvars", *_ABOVE_FLOOR),
+    "hora/envvars.py": ("hora.config", *_ABOVE_FLOOR),
+    "hora/config.py": _ABOVE_FLOOR,
 }
+#: package -> frameworks it must not import at module level (a function may, e.g. the torch self-check
+#: ``python -m hora.runner.check`` that runs as a worker).  hora.core is checked by importing it, below.
+NO_FRAMEWORK_AT_IMPORT = ("hora/runner", "hora/testing", "hora/errors.py", "hora/config.py", "hora/envvars.py",
+                          "hora/cli.py")
 
 
 def _imports(path: Path) -> list[str]:
@@ -30,9 +46,31 @@ def _imports(path: Path) -> list[str]:
     return names
 
 
+def _module_level_imports(path: Path) -> list[str]:
+    """Imports that run when the module is imported: outside every function body."""
+    names: list[str] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            if isinstance(child, ast.Import):
+                names.extend(a.name for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                names.append(child.module)
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return names
+
+
 def _files(target: str) -> list[Path]:
     p = PKG.parent / target
     return [p] if p.is_file() else sorted(p.rglob("*.py"))
+
+
+def _matches(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == x or name.startswith(x + ".") for x in packages)
 
 
 @pytest.mark.parametrize("target", sorted(FORBIDDEN))
@@ -40,9 +78,41 @@ def test_no_upward_imports(target):
     bad = []
     for f in _files(target):
         for name in _imports(f):
-            if any(name == x or name.startswith(x + ".") for x in FORBIDDEN[target]):
+            if _matches(name, FORBIDDEN[target]):
                 bad.append(f"{f.relative_to(PKG.parent)} imports {name}")
     assert not bad, "layering violated:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("target", NO_FRAMEWORK_AT_IMPORT)
+def test_no_framework_at_import_time(target):
+    bad = [f"{f.relative_to(PKG.parent)} imports {name}" for f in _files(target)
+           for name in _module_level_imports(f) if _matches(name, FRAMEWORKS)]
+    assert not bad, "a framework imported at module level:\n" + "\n".join(bad)
+
+
+def test_importing_the_framework_neutral_layers_imports_no_framework():
+    """``import hora.core, hora.config, hora.errors, hora.envvars`` and every module of hora.runner."""
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import hora.core, hora.config, hora.errors, hora.envvars, hora.runner, hora.testing\n"
+        "for m in pkgutil.walk_packages(hora.runner.__path__, 'hora.runner.'):\n"
+        "    importlib.import_module(m.name)\n"
+        f"print(sorted(f for f in {FRAMEWORKS!r} if f in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
+
+
+def test_the_hora_command_mounts_bench_and_the_runner_does_not():
+    from hora import cli
+    from hora.runner import cli as runner_cli
+
+    assert {"run", "bench"} <= set(cli.SUBCOMMANDS)
+    assert set(runner_cli.SUBCOMMANDS) == {"run"}
 
 
 def test_bindings_do_not_touch_backends():
