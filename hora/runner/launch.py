@@ -22,8 +22,9 @@ from hora import envvars
 from hora.errors import LaunchError
 from hora.runner.config import LaunchConfig
 from hora.runner.env import build_env
+from hora.runner.keys import WORKER
 from hora.runner.launchers import get_launcher
-from hora.runner.launchers.base import WORKER, Interrupt, JobResult, Slot, signal_name
+from hora.runner.launchers.base import Interrupt, JobResult, Slot, signal_name
 from hora.runner.output import OutputSink
 from hora.runner.plan import plan_slots, workers_per_host
 

@@ -18,7 +18,7 @@ import re
 import threading
 from typing import IO, BinaryIO, TextIO
 
-from hora.runner.launchers.base import Key, parse_key
+from hora.runner.keys import Key, parse_key
 
 logger = logging.getLogger(__name__)
 

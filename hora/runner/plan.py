@@ -18,7 +18,8 @@ import socket
 import sys
 
 from hora.runner.config import HostSlots, LaunchConfig, is_local_host
-from hora.runner.launchers.base import SCHEDULER, SERVER, WORKER, Slot, assign_ranks
+from hora.runner.keys import SCHEDULER, SERVER, WORKER
+from hora.runner.launchers.base import Slot, assign_ranks
 
 #: The module servers and the scheduler run.
 PS_NODE_MODULE = "hora.kvstore.ps.node"

@@ -25,8 +25,9 @@ from hora.runner.config import (
     parse_hosts,
 )
 from hora.runner.env import Endpoints, build_env, forwarded_names
+from hora.runner.keys import SCHEDULER, SERVER, WORKER
 from hora.runner.launch import report
-from hora.runner.launchers.base import SCHEDULER, SERVER, WORKER, JobResult, RankExit, Slot
+from hora.runner.launchers.base import JobResult, RankExit, Slot
 from hora.runner.launchers.mpi import mpirun_command
 from hora.runner.launchers.slurm import allocation_hosts, expand_counts, srun_command
 from hora.runner.output import OutputSink, log_directory, split_prefixed

@@ -23,7 +23,8 @@ from hora.core import topology
 from hora.runner import agent
 from hora.runner.config import HostSlots, LaunchConfig
 from hora.runner.env import Endpoints, build_env
-from hora.runner.launchers.base import SERVER, WORKER, Slot, assign_ranks
+from hora.runner.keys import SERVER, WORKER
+from hora.runner.launchers.base import Slot, assign_ranks
 from hora.runner.launchers.mpi import mpirun_command
 from hora.runner.launchers.slurm import srun_command
 from hora.runner.launchers.ssh import host_env

@@ -129,3 +129,30 @@ def test_import_hora_is_light():
     code = "import sys, hora; print('torch' in sys.modules, 'hora.runner' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@pytest.mark.parametrize("target", ["hora/runner", "hora/bench", "hora/testing"])
+def test_no_import_cycles_between_files(target):
+    """Two files never import each other, directly or round a longer loop (function-level imports count)."""
+    files = {_module_name(f): f for f in _files(target)}
+    graph = {name: {n for n in _imports(f) if n in files and n != name} for name, f in files.items()}
+    cycles = []
+
+    def walk(name: str, path: list[str]) -> None:
+        for nxt in sorted(graph[name]):
+            if nxt in path:
+                cycles.append(" -> ".join([*path[path.index(nxt):], nxt]))
+            elif nxt not in done:
+                walk(nxt, [*path, nxt])
+        done.add(name)
+
+    done: set[str] = set()
+    for name in sorted(graph):
+        if name not in done:
+            walk(name, [name])
+    assert not cycles, "import cycles:\n" + "\n".join(sorted(set(cycles)))

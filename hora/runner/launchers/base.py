@@ -1,9 +1,8 @@
 """What every launcher shares: the process plan, exit records, fail-fast supervision, the launcher protocol.
 
 A job's processes are :class:`Slot` s: the workers (ranks) and, with
-parameter servers, one scheduler and the servers.  Each has a *key* that
-names it in output prefixes and exit records: the rank (an int) for a
-worker, ``"server N"`` or ``"scheduler"`` otherwise.
+parameter servers, one scheduler and the servers, each named by its key
+(:mod:`hora.runner.keys`).
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from hora import envvars
+from hora.runner.keys import SERVER, WORKER, Key, process_key, process_name
 
 if TYPE_CHECKING:
     from hora.runner.config import HostSlots, LaunchConfig
@@ -25,11 +25,6 @@ if TYPE_CHECKING:
     from hora.runner.output import OutputSink
 
 logger = logging.getLogger(__name__)
-
-#: Process roles; workers are the ranks, the others exist only with parameter servers.
-WORKER, SERVER, SCHEDULER = "worker", "server", "scheduler"
-#: Key of a process: the rank for a worker, "server N" / "scheduler" otherwise.
-Key = int | str
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,7 +47,7 @@ class Slot:
 
     @property
     def key(self) -> Key:
-        """The rank for a worker, ``"server N"`` or ``"scheduler"`` otherwise."""
+        """The rank for a worker, ``"server N"`` or ``"scheduler"`` otherwise (see :mod:`hora.runner.keys`)."""
         return process_key(self.role, self.rank)
 
     @property
@@ -82,23 +77,6 @@ class Slot:
         env = dict(zip(envvars.WORKER_PLACEMENT, values, strict=True))
         env.update(zip(envvars.HOROVOD_PLACEMENT, values, strict=True))
         return env
-
-
-def process_key(role: str, index: int) -> Key:
-    """The key of the ``index``-th process of ``role`` (see :attr:`Slot.key`)."""
-    if role == WORKER:
-        return index
-    return SCHEDULER if role == SCHEDULER else f"{role} {index}"
-
-
-def process_name(role: str, index: int) -> str:
-    """``"rank 3"``, ``"server 0"`` or ``"scheduler"``."""
-    return f"rank {index}" if role == WORKER else str(process_key(role, index))
-
-
-def parse_key(text: str) -> Key:
-    """The key written in an output prefix: ``"3"`` -> 3, ``"server 0"`` stays a string."""
-    return int(text) if text.isdigit() else text
 
 
 def assign_ranks(hosts: Sequence[HostSlots], num_proc: int) -> list[Slot]:

@@ -20,15 +20,8 @@ from collections.abc import Mapping, Sequence
 from hora.errors import LaunchError
 from hora.runner.config import LaunchConfig, is_local_host
 from hora.runner.env import Endpoints, local_endpoints
-from hora.runner.launchers.base import (
-    Interrupt,
-    JobResult,
-    Key,
-    Slot,
-    Supervisor,
-    new_group_kwargs,
-    signal_group,
-)
+from hora.runner.keys import Key
+from hora.runner.launchers.base import Interrupt, JobResult, Slot, Supervisor, new_group_kwargs, signal_group
 from hora.runner.output import STREAMS, OutputSink, pump
 from hora.runner.plan import slot_command
 

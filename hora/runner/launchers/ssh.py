@@ -39,16 +39,8 @@ from hora.errors import LaunchError
 from hora.runner.agent import MARKER
 from hora.runner.config import LaunchConfig, is_local_host
 from hora.runner.env import Endpoints, forwarded_names, free_port, interface_address
-from hora.runner.launchers.base import (
-    Interrupt,
-    JobResult,
-    Key,
-    Slot,
-    Supervisor,
-    new_group_kwargs,
-    parse_key,
-    signal_group,
-)
+from hora.runner.keys import Key, parse_key
+from hora.runner.launchers.base import Interrupt, JobResult, Slot, Supervisor, new_group_kwargs, signal_group
 from hora.runner.output import TAIL_LINES, OutputSink, pump, split_prefixed
 from hora.runner.plan import slot_command
 from hora.runner.ssh import SshOptions, agent_command, local_agent_command, sync_directory
