@@ -39,6 +39,10 @@ class MismatchError(HoraError, ValueError):
     """
 
 
+class DuplicateNameError(HoraError, ValueError):
+    """A collective was submitted under a name whose earlier collective the program has not yet waited for."""
+
+
 class StallError(HoraError):
     """A collective waited on missing ranks for longer than the stall deadline."""
 

@@ -1,7 +1,62 @@
 """hora's framework-neutral core: topology, backends, negotiation, execution.
 
-:func:`start_engine` is the one entry point the bindings use: it detects the
-topology, picks and connects the backends, and returns a running
+Nothing here imports a deep-learning framework.  The engine works on
+*buffers* (:mod:`hora.core.buffers`): NumPy arrays, which anything on the host
+with DLPack or the buffer protocol can be viewed as, and torch tensors, which
+keep their zero-copy path on the CPU and NCCL on CUDA.  The torch-specific
+modules (``buffers/torch_ops.py``, ``backends/torch_dist.py``) load only when
+a torch tensor is submitted or the gloo/NCCL engine is chosen; a NumPy job
+on MPI never imports torch.
+
+The binding contract
+--------------------
+A framework binding (``hora.torch``, ``hora.tensorflow``, ``hora.keras``,
+``hora.mxnet``) supplies only:
+
+* how to view its tensor as an engine buffer, and how to turn a result back
+  into its own type (``Adapter.to_buffer`` / ``Adapter.from_buffer``);
+* how to wait for its device stream before the engine reads an input
+  (``Adapter.sync``);
+* its autograd or gradient registration, and its optimizer wrapper, hooks or
+  callbacks.
+
+It submits every collective through one call,
+:func:`hora.core.collectives.submit` (kind, tensors, name, op, scale factors,
+process set, root or splits), which returns a
+:class:`~hora.core.request.Handle`.  Generated names, the duplicate-name
+check, request construction, output allocation, negotiation, fusion, stall
+reports and errors live here, once; a binding copies none of it.
+:func:`hora.core.runtime.init` / ``shutdown`` and the process-set calls are
+shared by every binding in the process.
+
+The path of one gradient
+------------------------
+1. ``loss.backward()`` fires the binding's hook for a parameter
+   (``hora.torch.optimizer``), which calls ``collectives.submit(ALLREDUCE,
+   [grad], name=..., op=Average)``.  ``submit`` views the tensor as a buffer,
+   picks its array family, checks the name is free, builds a
+   :class:`~hora.core.request.Request` and queues it on the
+   :class:`~hora.core.engine.Engine`; the hook returns at once.
+2. The engine runs a round (on its own thread, or on the thread that waits):
+   every pending request's name is looked up in the name cache
+   (:mod:`hora.core.negotiation`) and marked in an integer vector that the
+   controller backend sums over all ranks.  New names and changed shapes are
+   announced in a second phase; :func:`~hora.core.negotiation.resolve`
+   derives, identically everywhere, the requests ready on all ranks, and
+   fails on every rank the ones whose ranks disagree.
+3. The :class:`~hora.core.executor.Executor` turns the ready list into
+   backend calls: each allreduce gets a cached
+   :data:`~hora.core.executor.AllreducePlan`; small tensors are packed into a
+   fusion buffer through their family's ops, large ones reduced in their own
+   memory, Average becomes Sum and a postscale.
+4. The backend (:mod:`hora.core.backends`: MPI, gloo, NCCL) reduces the flat
+   buffer in place; the executor scales and unpacks the result into the
+   gradient and completes the handle.
+5. ``optimizer.step()`` waits on the handles and steps.  A rank that never
+   submits is named by :mod:`hora.core.stall`.
+
+:func:`start_engine` is what ``init()`` calls: it detects the topology, picks
+and connects the backends, and returns a running
 :class:`~hora.core.engine.Engine`.
 """
 
@@ -9,6 +64,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 from collections.abc import Mapping
 
 from hora.config import EngineConfig, RendezvousConfig, environ
@@ -75,7 +131,14 @@ def _mpi_controller(topology: Topology) -> Backend:
 
 
 def _gloo_controller(topology: Topology, config: EngineConfig, rdv: RendezvousConfig, generation: int):
-    import torch.distributed as dist
+    try:
+        import torch.distributed as dist
+    except ImportError as e:
+        raise BackendError(
+            "the gloo engine comes from torch.distributed, and torch is not installed in this environment. "
+            "Either install it (pip install 'hora[torch]'), or use MPI, which needs no torch: "
+            "pip install 'hora[mpi]' and launch with `hora run --mpi` (or HORA_CONTROLLER=mpi under mpirun)"
+        ) from e
 
     from hora.core.backends.torch_dist import GlooBackend, connect_store
 
@@ -123,11 +186,12 @@ def _address_towards(addr: str, port: int) -> str:
 
 
 def _maybe_nccl(controller: Backend, store, config: EngineConfig, generation: int) -> Backend | None:
-    try:
-        import torch
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover
+    # Only a process that already uses torch can hand hora CUDA tensors: never import it here.
+    if "torch" not in sys.modules:
         return None
+    import torch
+    import torch.distributed as dist
+
     if not torch.cuda.is_available() or not dist.is_nccl_available():
         return None
     from hora.core.backends.torch_dist import NCCLBackend, connect_store

@@ -39,6 +39,7 @@ from hora.core.negotiation import (
 from hora.core.ops import CollectiveType
 from hora.core.process_sets import ProcessSetState
 from hora.core.request import Handle, Request
+from hora.core.stall import Abandon, StallMonitor, ages
 from hora.core.topology import Topology
 from hora.errors import (
     BackendError,
@@ -46,7 +47,6 @@ from hora.errors import (
     HoraError,
     InternalError,
     ShutdownError,
-    StallError,
 )
 
 log = logging.getLogger(__name__)
@@ -54,10 +54,6 @@ log = logging.getLogger(__name__)
 _CALLER_SPIN_S = 0.002
 
 _CONTROL = (CollectiveType.JOIN, CollectiveType.ADD_PROCESS_SET, CollectiveType.REMOVE_PROCESS_SET)
-
-
-class _Abandon(Exception):
-    """Raised from inside a negotiation wait to give up on the round."""
 
 
 class Engine:
@@ -100,7 +96,6 @@ class Engine:
         self._cv = threading.Condition()
         self._incoming: list[Request] = []
         self._pending: dict[str, Request] = {}
-        self._in_flight: set[str] = set()
         self._join_handle: Handle | None = None
         self._joined_ranks: set[int] = set()
         self._shutdown_requested = False
@@ -111,8 +106,7 @@ class Engine:
         self._kicked = False
         self._last_round_at = time.monotonic()
         self._last_progress = True
-        self._warned_at = 0.0
-        self._next_stall_scan = 0.0
+        self._stalls = StallMonitor(config, self.rank)
         self.idle_tick_s = 0.5
         cores_per_rank = (os.cpu_count() or 1) // max(1, topology.local_size)
         self.overlap = config.overlap if config.overlap is not None else (
@@ -133,10 +127,12 @@ class Engine:
         is also left asleep when ``overlap`` is off: the request then runs
         when someone waits for it (or polls it).
 
+        Names must be unique among the requests in flight; bindings
+        guarantee that through :func:`hora.core.collectives.submit`.
+
         Raises:
             ShutdownError: the engine has stopped (locally, on another rank,
                 or after a failure), naming the cause.
-            ValueError: a request with the same name is still in flight.
         """
         with self._cv:
             if self._failure is not None:
@@ -146,13 +142,6 @@ class Engine:
                     "hora has been shut down: a rank called shutdown() or exited, or an earlier error "
                     "stopped the engine. Call hora init() again before submitting collectives."
                 )
-            if request.kind not in _CONTROL:
-                if request.key in self._in_flight:
-                    raise _DuplicateName(
-                        f"a collective named {request.key!r} is already in flight on rank {self.rank}; "
-                        "names must be unique until the previous one completes (wait on its handle first)"
-                    )
-                self._in_flight.add(request.key)
             self._incoming.append(request)
             if wake and self.overlap:
                 self._cv.notify()
@@ -256,8 +245,8 @@ class Engine:
         try:
             if self._round(spin_s):
                 return True
-        except _Abandon as e:
-            self._fail_everything(e.args[0] if e.args else StallError("negotiation abandoned"))
+        except Abandon as e:
+            self._fail_everything(e.error)
         except HoraError as e:
             log.error("hora engine stopped on rank %d: %s", self.rank, e)
             self._fail_everything(e)
@@ -327,7 +316,7 @@ class Engine:
                 if rank in self.process_sets.get(entry.process_set, ()):
                     vector[HEADER + entry.id] = 1
             vector[SLOT_JOINED] = 1
-        diagnose = self._stall_check_due()
+        diagnose = self._stalls.due(self._last_round_at, [r.submitted_at for r in self._pending.values()])
         if announce or joined or diagnose:
             vector[SLOT_PHASE2] = 1
         if self._shutdown_requested:
@@ -347,14 +336,13 @@ class Engine:
         if totals[SLOT_PHASE2] > 0:
             message = {"a": announce, "j": joined}
             if diagnose:
-                now = time.monotonic()
-                message["p"] = {n: now - r.submitted_at for n, r in self._pending.items()}
+                message["p"] = ages(self._pending, time.monotonic())
             infos = [msgpack.unpackb(b) for b in self.controller.allgather_bytes(msgpack.packb(message))]
             announcements = [info["a"] for info in infos]
             newly_joined = {r for r, info in enumerate(infos) if info["j"]} - self._joined_ranks
             self._joined_ranks |= newly_joined
             if any("p" in info for info in infos):
-                self._report_stall(infos)
+                self._stalls.report([info.get("p") for info in infos], self._joined_ranks, self._members_of)
         elif not joined:
             self._joined_ranks.clear()
 
@@ -395,10 +383,6 @@ class Engine:
 
     def _execute(self, ready: Sequence[Ready]) -> None:
         items: list[tuple[Ready, Request | None]] = []
-        finished = [r.name for r in ready if r.name in self._pending]
-        if finished:
-            with self._cv:
-                self._in_flight.difference_update(finished)
         for r in ready:
             request = self._pending.pop(r.name, None)
             if r.error is not None:
@@ -451,52 +435,8 @@ class Engine:
                 request.handle.set_result(pset is not None)
 
     # ------------------------------------------------------------ stalls
-    def _stall_check_due(self) -> bool:
-        limit = self.config.stall_check_seconds
-        if not limit or not self._pending:
-            return False
-        now = self._last_round_at
-        if now < self._next_stall_scan:
-            return False
-        self._next_stall_scan = now + min(1.0, limit / 4)
-        oldest = min(r.submitted_at for r in self._pending.values())
-        if now - oldest < limit or now - self._warned_at < limit:
-            return False
-        self._warned_at = now
-        return True
-
-    def _report_stall(self, infos: list[dict]) -> None:
-        """Name the ranks that have not submitted what others wait for; raise past the deadline."""
-        waiting: dict[str, tuple[set[int], float]] = {}
-        for r, info in enumerate(infos):
-            for name, age in (info.get("p") or {}).items():
-                ranks, oldest = waiting.get(name, (set(), 0.0))
-                ranks.add(r)
-                waiting[name] = (ranks, max(oldest, age))
-        lines = []
-        worst = 0.0
-        for name, (ranks, age) in sorted(waiting.items()):
-            pset = self._pset_of_pending(name)
-            missing = sorted(set(pset) - ranks - self._joined_ranks)
-            if missing:
-                worst = max(worst, age)
-                lines.append(f"  {name!r}: submitted by ranks {sorted(ranks)}, missing ranks {missing} "
-                             f"(waiting {age:.0f} s)")
-        if not lines:
-            return
-        deadline = self.config.stall_shutdown_seconds
-        if self.rank == 0 or any(self.rank in ranks for ranks, _ in waiting.values()):
-            log.warning(
-                "hora: one or more collectives were submitted by some ranks but not others for more than "
-                "%.0f s; the missing ranks are probably on a different code path:\n%s",
-                self.config.stall_check_seconds, "\n".join(lines),
-            )
-        if deadline and worst >= deadline:
-            raise _Abandon(StallError(
-                f"collectives stalled for more than the stall deadline ({deadline:.0f} s, "
-                "HORA_STALL_SHUTDOWN_TIME_SECONDS):\n" + "\n".join(lines)))
-
-    def _pset_of_pending(self, name: str) -> Sequence[int]:
+    def _members_of(self, name: str) -> Sequence[int]:
+        """The ranks of a pending request's process set (by its cached entry when this rank has none)."""
         req = self._pending.get(name)
         pid = req.process_set_id if req is not None else 0
         entry = self._cache.by_name.get(name)
@@ -507,21 +447,7 @@ class Engine:
 
     def _poll_wait(self, waited: float) -> None:
         """Called while a negotiation round waits for other ranks."""
-        deadline = self.config.stall_shutdown_seconds
-        if self._shutdown_requested and waited > 10.0:
-            raise _Abandon(ShutdownError(
-                f"shutdown() gave up after {waited:.0f} s: other ranks did not join the final round"))
-        if deadline and waited > deadline:
-            names = sorted(self._pending)[:8]
-            raise _Abandon(StallError(
-                f"rank {self.rank} waited {waited:.0f} s for the other ranks to negotiate {names}; they never "
-                "answered (a rank may have died or be stuck outside hora). Deadline: "
-                "HORA_STALL_SHUTDOWN_TIME_SECONDS"))
-        check = self.config.stall_check_seconds
-        if check and waited > check and time.monotonic() - self._warned_at > check:
-            self._warned_at = time.monotonic()
-            log.warning("hora: rank %d has waited %.0f s for other ranks to negotiate %s", self.rank, waited,
-                        sorted(self._pending)[:8])
+        self._stalls.while_waiting(waited, list(self._pending), self._shutdown_requested)
 
     # ---------------------------------------------------------- teardown
     def _fail_everything(self, error: HoraError) -> None:
@@ -531,7 +457,6 @@ class Engine:
             pending = list(self._pending.values()) + list(self._incoming)
             self._pending.clear()
             self._incoming.clear()
-            self._in_flight.clear()
             join, self._join_handle = self._join_handle, None
         for req in pending:
             if not req.handle.done():
@@ -561,9 +486,5 @@ class Engine:
                 f"(available: {sorted(self._backends)}); move the tensor to the CPU or enable NCCL"
             )
         return backend
-
-
-class _DuplicateName(HoraError, ValueError):
-    pass
 
 

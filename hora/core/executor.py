@@ -10,19 +10,22 @@ packed into a persistent fusion buffer (one backend call for many small
 tensors).  Tensors at least ``direct_threshold_bytes`` large are reduced in
 their own memory instead: for them the copy into a buffer costs more than the
 per-call latency it saves.
+
+The executor never touches a framework: every array operation goes through
+the request's array family (:mod:`hora.core.buffers`), so NumPy arrays and
+torch tensors take the same path.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
 from hora.core.backends.base import Backend
+from hora.core.buffers import ITEMSIZE, UPCAST, Array, ArrayOps
+from hora.core.buffers.numpy_ops import NUMPY
 from hora.core.negotiation import Ready, Signature
 from hora.core.ops import CollectiveType, ReduceOp
 from hora.core.process_sets import ProcessSetState
@@ -31,38 +34,53 @@ from hora.errors import HoraError, InternalError, UnsupportedError
 
 log = logging.getLogger(__name__)
 
-_UPCAST = {
-    torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.int16: torch.int32, torch.bool: torch.uint8,
-}
 # Logical semantics for bool: sum is "any", product is "all".
 _BOOL_OPS = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PRODUCT: ReduceOp.MIN, ReduceOp.MIN: ReduceOp.MIN,
              ReduceOp.MAX: ReduceOp.MAX}
 
 
-@functools.cache
-def dtype_from_name(name: str) -> torch.dtype:
-    return getattr(torch, name)
+def compute_dtype(dtype: str, backend: Backend) -> str:
+    """The dtype ``backend`` reduces ``dtype`` in: itself when native, else the upcast of :data:`UPCAST`."""
+    return dtype if dtype in backend.reduce_dtypes else UPCAST.get(dtype, dtype)
 
 
-@functools.cache
-def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+def backend_op(op: ReduceOp, postscale: float, dtype: str, ranks: int) -> tuple[ReduceOp, float]:
+    """The operator a backend runs and the postscale after it: Average is Sum then a division."""
+    if op == ReduceOp.AVERAGE:
+        op, postscale = ReduceOp.SUM, postscale / ranks
+    if dtype == "bool":
+        op = _BOOL_OPS[op]
+    return op, postscale
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor (for collectives that only move data)."""
-    flat = t.reshape(-1)
-    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorPlan:
+    """How one tensor of an allreduce is reduced, derived from the agreed signature alone.
+
+    Attributes:
+        dtype: the tensor's dtype name.
+        shape: its shape (a joined rank contributes zeros of this shape).
+        compute: the dtype the backend reduces in.
+        op: the backend's operator (Average became Sum).
+        postscale: the factor after the reduction (Average's division included).
+        bucket: tensors with equal keys may share a fusion bucket.
+        nbytes: bytes in the compute dtype.
+        direct: reduced alone, in its own memory, instead of fused.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    compute: str
+    op: ReduceOp
+    postscale: float
+    bucket: tuple
+    nbytes: int
+    direct: bool
 
 
-def scale_(buf: torch.Tensor, factor: float) -> None:
-    """Multiply in place; integer tensors truncate toward zero, as Horovod does."""
-    if factor == 1.0:
-        return
-    if buf.is_floating_point():
-        buf.mul_(factor)
-    else:
-        buf.copy_(torch.trunc(buf.to(torch.float64) * factor))
+#: An allreduce request's plan: one :class:`TensorPlan` per tensor.  Computed once per cached
+#: :class:`~hora.core.negotiation.Ready` and reused every step.
+AllreducePlan = tuple[TensorPlan, ...]
 
 
 @dataclasses.dataclass(slots=True)
@@ -71,14 +89,15 @@ class _Slot:
 
     request: Request | None
     index: int
-    source: torch.Tensor  # what this rank contributes
-    output: torch.Tensor  # where the result goes
+    source: Array  # what this rank contributes
+    output: Array  # where the result goes
 
 
 @dataclasses.dataclass(slots=True)
 class _Bucket:
     key: tuple
-    compute_dtype: torch.dtype
+    ops: ArrayOps
+    compute_dtype: str
     op: ReduceOp
     prescale: float
     postscale: float
@@ -103,9 +122,9 @@ class Executor:
         self._psets = process_sets
         self.fusion_threshold = fusion_threshold_bytes
         self._direct_override = direct_threshold_bytes
-        self._buffers: dict[tuple[torch.dtype, str], torch.Tensor] = {}
-        # The exact device (cuda:1, not just cuda) of this rank's tensors, for a joined rank's zeros.
-        self._devices: dict[str, torch.device] = {}
+        self._buffers: dict[tuple[str, str, str], Array] = {}  # (family, dtype, device) -> fusion buffer
+        # The family and exact device (cuda:1, not just cuda) of this rank's tensors, for a joined rank's zeros.
+        self._devices: dict[str, tuple[ArrayOps, str]] = {}
 
     # ------------------------------------------------------------------ driver
     def run(self, items: Sequence[tuple[Ready, Request | None]]) -> None:
@@ -124,13 +143,14 @@ class Executor:
                 f"hora engine failed on rank {self.rank}: {type(e).__name__}: {e}. This usually means another "
                 "rank exited or crashed; look for the first error in the other ranks' output") from e
 
-    def _device(self, kind: str, request: Request | None) -> torch.device:
-        """Where this rank's tensors of device type ``kind`` live (remembered for rounds it joins)."""
+    def _device(self, kind: str, request: Request | None) -> tuple[ArrayOps, str]:
+        """The family and device of this rank's tensors of device type ``kind`` (remembered for rounds it joins)."""
         if request is not None and request.entries:
-            device = request.entries[0].input.device
-            self._devices[kind] = device
-            return device
-        return self._devices.get(kind, torch.device(kind))
+            ops = request.ops
+            placed = (ops, ops.device(request.entries[0].input))
+            self._devices[kind] = placed
+            return placed
+        return self._devices.get(kind, (NUMPY, kind))
 
     def _run(self, items: Sequence[tuple[Ready, Request | None]]) -> None:
         buckets: dict[tuple, _Bucket] = {}
@@ -157,60 +177,53 @@ class Executor:
     def _add_allreduce(
         self, ready: Ready, sig: Signature, request: Request | None, buckets: dict, order: list
     ) -> None:
-        plan = ready.plan
+        plan: AllreducePlan | None = ready.plan
         if plan is None:
             plan = ready.plan = self._plan_allreduce(ready, sig)
-        device = self._device(sig.device, request)
+        ops, device = self._device(sig.device, request)
         backend = self._backend_for(sig.device)
         limit = self.fusion_threshold
         if backend.concurrent and backend.bucket_bytes:
             limit = min(limit, backend.bucket_bytes)
-        for i, (dtype, shape, compute, op, post, key, nbytes, solo) in enumerate(plan):
+        pset = self._psets[ready.process_set]
+        for i, t in enumerate(plan):
             if request is not None:
                 entry = request.entries[i]
                 slot = _Slot(request, i, entry.input, entry.output)
             else:  # joined: contribute zeros of the agreed shape
-                zeros = torch.zeros(shape, dtype=dtype, device=device)
+                zeros = ops.zeros(t.shape, t.dtype, device)
                 slot = _Slot(None, i, zeros, zeros)
-            pset = self._psets[ready.process_set]
-            if solo:
-                order.append(_Bucket(key, compute, op, sig.prescale, post, pset, [slot], nbytes))
+            if t.direct:
+                order.append(_Bucket(t.bucket, ops, t.compute, t.op, sig.prescale, t.postscale, pset, [slot],
+                                     t.nbytes))
                 continue
+            key = (t.bucket, ops.family)  # NumPy arrays and torch tensors never share a buffer
             bucket = buckets.get(key)
-            if bucket is None or bucket.nbytes + nbytes > limit:
-                bucket = _Bucket(key, compute, op, sig.prescale, post, pset)
+            if bucket is None or bucket.nbytes + t.nbytes > limit:
+                bucket = _Bucket(t.bucket, ops, t.compute, t.op, sig.prescale, t.postscale, pset)
                 buckets[key] = bucket
                 order.append(bucket)
             bucket.slots.append(slot)
-            bucket.nbytes += nbytes
+            bucket.nbytes += t.nbytes
 
-    def _plan_allreduce(self, ready: Ready, sig: Signature) -> list[tuple]:
-        """Per tensor: dtype, shape, compute dtype, backend op, postscale, bucket key, bytes, reduce alone?
-
-        Derived from the signatures only, so it is computed once per cached
-        request and reused every step.
-        """
+    def _plan_allreduce(self, ready: Ready, sig: Signature) -> AllreducePlan:
+        """The plan of an allreduce, from the signatures only (the same on every rank)."""
         pset = self._psets[ready.process_set]
         backend = self._backend_for(sig.device)
         if sig.op == ReduceOp.ADASUM:
             raise UnsupportedError("op=Adasum is not supported by hora yet; use op=Average or op=Sum")
         plan = []
-        for dtype_name, shape, _ in sig.tensors:
-            dtype = dtype_from_name(dtype_name)
-            compute = dtype if dtype in backend.reduce_dtypes else _UPCAST.get(dtype, dtype)
-            op, post = sig.op, sig.postscale
-            if op == ReduceOp.AVERAGE:
-                op, post = ReduceOp.SUM, post / pset.size
-            if dtype == torch.bool:
-                op = _BOOL_OPS[op]
+        for dtype, shape, _ in sig.tensors:
+            compute = compute_dtype(dtype, backend)
+            op, post = backend_op(sig.op, sig.postscale, dtype, pset.size)
             numel = 1
             for d in shape:
                 numel *= d
-            nbytes = numel * itemsize(compute)
-            solo = nbytes >= self._direct_threshold(backend) or nbytes >= self.fusion_threshold
+            nbytes = numel * ITEMSIZE[compute]
+            direct = nbytes >= self._direct_threshold(backend) or nbytes >= self.fusion_threshold
             key = (compute, int(op), sig.prescale, post, pset.id, sig.device)
-            plan.append((dtype, tuple(shape), compute, op, post, key, nbytes, solo))
-        return plan
+            plan.append(TensorPlan(dtype, tuple(shape), compute, op, post, key, nbytes, direct))
+        return tuple(plan)
 
     def _reduce(self, order: Sequence[_Bucket]) -> None:
         """Reduce every bucket of the round, in the same order on every rank.
@@ -224,24 +237,26 @@ class Executor:
         each bucket is finished before the next starts.
         """
         in_flight: list[Callable[[], None]] = []
-        claimed: dict[tuple[torch.dtype, str], int] = {}  # fusion-buffer elements held by buckets in flight
+        claimed: dict[tuple[str, str, str], int] = {}  # fusion-buffer elements held by buckets in flight
         for bucket in order:
-            device = bucket.slots[0].source.device
-            backend = self._backend_for(device.type)
+            ops = bucket.ops
+            source = bucket.slots[0].source
+            backend = self._backend_for(ops.device_type(source))
             group = self._group(bucket.pset, backend)
             if len(bucket.slots) == 1:
                 finish = self._start_direct(bucket, bucket.slots[0], backend, group, len(order))
             else:
-                numel = sum(s.source.numel() for s in bucket.slots)
-                key = (bucket.compute_dtype, str(device))
+                numel = sum(ops.numel(s.source) for s in bucket.slots)
+                device = ops.device(source)
+                key = (ops.family, bucket.compute_dtype, device)
                 offset = claimed.get(key, 0)
-                if offset and offset + numel > self.fusion_threshold // itemsize(bucket.compute_dtype):
+                if offset and offset + numel > self.fusion_threshold // ITEMSIZE[bucket.compute_dtype]:
                     for f in in_flight:
                         f()
                     in_flight.clear()
                     claimed.clear()
                     offset = 0
-                buf = self._fusion_buffer(bucket.compute_dtype, device, offset + numel)[offset : offset + numel]
+                buf = self._fusion_buffer(ops, bucket.compute_dtype, device, offset + numel)[offset : offset + numel]
                 claimed[key] = offset + numel
                 finish = self._start_fused(bucket, buf, backend, group, len(order))
             if backend.concurrent:
@@ -253,28 +268,23 @@ class Executor:
             finish()
 
     def _start_fused(
-        self, bucket: _Bucket, buf: torch.Tensor, backend: Backend, group: Any, fanout: int
+        self, bucket: _Bucket, buf: Array, backend: Backend, group: Any, fanout: int
     ) -> Callable[[], None]:
         """Pack the bucket into ``buf`` and start its allreduce; returns what finishes it.
 
-        Packing and unpacking are one torch call each (``cat``, ``_foreach_copy_``):
-        a slice-and-copy per tensor costs ~25 us of Python, 4 ms for ResNet-50's
-        150 small tensors.
+        Packing and unpacking are one call each for the whole bucket (see the
+        families' ``pack``/``unpack``): a slice-and-copy per tensor in Python
+        cost 4 ms for ResNet-50's 150 small tensors.
         """
-        slots = bucket.slots
-        torch.cat([s.source.reshape(-1) for s in slots], out=buf)
-        scale_(buf, bucket.prescale)
+        ops, slots = bucket.ops, bucket.slots
+        ops.pack([s.source for s in slots], buf)
+        ops.scale_(buf, bucket.prescale)
         wait = backend.allreduce_start(buf, bucket.op, group, fanout)
 
         def finish() -> None:
             wait()
-            scale_(buf, bucket.postscale)
-            pieces = torch.split_with_sizes(buf, [s.source.numel() for s in slots])
-            if all(s.output.is_contiguous() for s in slots):
-                torch._foreach_copy_([s.output.view(-1) for s in slots], pieces)
-            else:
-                for s, piece in zip(slots, pieces, strict=True):
-                    s.output.copy_(piece.view(s.output.shape))
+            ops.scale_(buf, bucket.postscale)
+            ops.unpack(buf, [s.output for s in slots])
 
         return finish
 
@@ -282,38 +292,32 @@ class Executor:
         self, bucket: _Bucket, slot: _Slot, backend: Backend, group: Any, fanout: int
     ) -> Callable[[], None]:
         """Start the allreduce of one tensor in its own memory where possible; returns what finishes it."""
-        src, out = slot.source, slot.output
-        if src.dtype == bucket.compute_dtype and out.is_contiguous():
+        ops, src, out = bucket.ops, slot.source, slot.output
+        if ops.dtype_name(src) == bucket.compute_dtype and ops.is_contiguous(out):
             if out is not src:
-                if bucket.prescale != 1.0 and src.is_floating_point():
-                    torch.mul(src, bucket.prescale, out=out)
-                else:
-                    out.copy_(src)
-                    scale_(out, bucket.prescale)
+                ops.scaled_copy_(out, src, bucket.prescale)
             else:
-                scale_(out, bucket.prescale)
-            work = out  # backends take any contiguous tensor; a flat view would cost a dispatch
+                ops.scale_(out, bucket.prescale)
+            work = out  # backends take any contiguous array; a flat view would cost a dispatch
         else:
-            work = src.to(bucket.compute_dtype).contiguous().view(-1)
-            if work.data_ptr() == src.data_ptr():
-                work = work.clone()
-            scale_(work, bucket.prescale)
+            work = ops.cast_flat(src, bucket.compute_dtype, copy=True)
+            ops.scale_(work, bucket.prescale)
         wait = backend.allreduce_start(work, bucket.op, group, fanout)
 
         def finish() -> None:
             wait()
-            scale_(work, bucket.postscale)
-            if work.data_ptr() != out.data_ptr():
-                out.copy_(work.view(out.shape))
+            ops.scale_(work, bucket.postscale)
+            if work is not out:
+                ops.copy_(out, work)
 
         return finish
 
-    def _fusion_buffer(self, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
-        key = (dtype, str(device))
+    def _fusion_buffer(self, ops: ArrayOps, dtype: str, device: str, numel: int) -> Array:
+        key = (ops.family, dtype, device)
         buf = self._buffers.get(key)
-        if buf is None or buf.numel() < numel:
-            cap = max(numel, min(self.fusion_threshold // itemsize(dtype), 2 * numel))
-            buf = torch.empty(cap, dtype=dtype, device=device)
+        if buf is None or ops.numel(buf) < numel:
+            cap = max(numel, min(self.fusion_threshold // ITEMSIZE[dtype], 2 * numel))
+            buf = ops.empty((cap,), dtype, device)
             self._buffers[key] = buf
         return buf[:numel]
 
@@ -331,45 +335,44 @@ class Executor:
         backend = self._backend_for(sig.device)
         group = self._group(pset, backend)
         members = pset.ranks
-        device = self._device(sig.device, request)
+        ops, device = self._device(sig.device, request)
         results: list[Any] = []
-        for i, (dtype_name, shape, _) in enumerate(sig.tensors):
-            dtype = dtype_from_name(dtype_name)
+        for i, (dtype, shape, _) in enumerate(sig.tensors):
             entry = request.entries[i] if request is not None else None
             if sig.kind == CollectiveType.ALLGATHER:
-                results.append(self._allgather(ready, i, dtype, shape, entry, members, backend, group, device))
+                results.append(self._allgather(ops, ready, i, dtype, shape, entry, members, backend, group, device))
             elif sig.kind == CollectiveType.BROADCAST:
-                results.append(self._broadcast(entry, pset.index_of(sig.root), backend, group))
+                results.append(self._broadcast(ops, entry, pset.index_of(sig.root), backend, group))
             elif sig.kind == CollectiveType.ALLTOALL:
-                results.append(self._alltoall(ready, i, shape, entry, members, backend, group))
+                results.append(self._alltoall(ops, ready, i, shape, entry, members, backend, group))
             elif sig.kind == CollectiveType.REDUCESCATTER:
-                results.append(self._reducescatter(sig, i, shape, entry, pset, backend, group))
+                results.append(self._reducescatter(ops, sig, i, dtype, shape, entry, pset, backend, group))
             else:  # pragma: no cover - control requests are handled by the engine
                 raise AssertionError(f"unexpected collective {sig.kind}")
         if request is not None:
             request.handle.set_result(results)
 
-    def _allgather(self, ready, i, dtype, shape, entry, members, backend, group, device) -> torch.Tensor:
+    def _allgather(self, ops, ready, i, dtype, shape, entry, members, backend, group, device) -> Array:
         rows = [ready.signatures[r].tensors[i][1][0] if ready.signatures[r] is not None else 0 for r in members]
         row_numel = 1
         for d in shape[1:]:
             row_numel *= d
-        out = torch.empty((sum(rows), *shape[1:]), dtype=dtype, device=device)
-        itemsize = out.element_size()
-        send = entry.input.contiguous() if entry is not None else out[:0]
-        if out.numel():
-            backend.allgatherv(_as_bytes(send), _as_bytes(out), [n * row_numel * itemsize for n in rows], group)
+        out = ops.empty((sum(rows), *shape[1:]), dtype, device)
+        size = ITEMSIZE[dtype]
+        send = ops.contiguous(entry.input) if entry is not None else out[:0]
+        if ops.numel(out):
+            backend.allgatherv(ops.as_bytes(send), ops.as_bytes(out), [n * row_numel * size for n in rows], group)
         return out
 
-    def _broadcast(self, entry, root_index, backend, group) -> torch.Tensor:
+    def _broadcast(self, ops, entry, root_index, backend, group) -> Array:
         out = entry.output
-        work = out if out.is_contiguous() else out.contiguous()
-        backend.broadcast_(_as_bytes(work), root_index, group)
-        if work.data_ptr() != out.data_ptr():
-            out.copy_(work)
+        work = ops.contiguous(out)
+        backend.broadcast_(ops.as_bytes(work), root_index, group)
+        if work is not out:
+            ops.copy_(out, work)
         return out
 
-    def _alltoall(self, ready, i, shape, entry, members, backend, group):
+    def _alltoall(self, ops, ready, i, shape, entry, members, backend, group):
         n = len(members)
         me = members.index(self.rank)
 
@@ -383,36 +386,30 @@ class Executor:
         row_numel = 1
         for d in shape[1:]:
             row_numel *= d
-        src = entry.input.contiguous()
-        out = torch.empty((sum(recv_rows), *shape[1:]), dtype=src.dtype, device=src.device)
-        item = src.element_size() * row_numel
-        backend.alltoallv(_as_bytes(src), [r * item for r in send_rows], _as_bytes(out), [r * item for r in recv_rows],
-                          group)
-        return out, torch.tensor(recv_rows, dtype=torch.int32)
+        src = ops.contiguous(entry.input)
+        dtype = ops.dtype_name(src)
+        out = ops.empty((sum(recv_rows), *shape[1:]), dtype, ops.device(src))
+        item = ITEMSIZE[dtype] * row_numel
+        backend.alltoallv(ops.as_bytes(src), [r * item for r in send_rows], ops.as_bytes(out),
+                          [r * item for r in recv_rows], group)
+        return out, ops.int32_vector(recv_rows)
 
-    def _reducescatter(self, sig, i, shape, entry, pset, backend, group) -> torch.Tensor:
+    def _reducescatter(self, ops, sig, i, dtype, shape, entry, pset, backend, group) -> Array:
         n = pset.size
         rows = reducescatter_rows(shape[0] if shape else 0, n)
         row_numel = 1
         for d in shape[1:]:
             row_numel *= d
         src = entry.input
-        dtype = src.dtype
-        compute = dtype if dtype in backend.reduce_dtypes else _UPCAST.get(dtype, dtype)
-        op, post = sig.op, sig.postscale
-        if op == ReduceOp.AVERAGE:
-            op, post = ReduceOp.SUM, post / n
-        if dtype == torch.bool:
-            op = _BOOL_OPS[op]
-        send = src.to(compute).contiguous().reshape(-1)
-        if send.data_ptr() == src.data_ptr() and sig.prescale != 1.0:
-            send = send.clone()
-        scale_(send, sig.prescale)
+        compute = compute_dtype(dtype, backend)
+        op, post = backend_op(sig.op, sig.postscale, dtype, n)
+        send = ops.cast_flat(src, compute, copy=sig.prescale != 1.0)
+        ops.scale_(send, sig.prescale)
         me = pset.index_of(self.rank)
-        recv = torch.empty(rows[me] * row_numel, dtype=compute, device=src.device)
+        recv = ops.empty((rows[me] * row_numel,), compute, ops.device(src))
         backend.reduce_scatterv(send, recv, [r * row_numel for r in rows], op, group)
-        scale_(recv, post)
-        return recv.to(dtype).view((rows[me], *shape[1:]))
+        ops.scale_(recv, post)
+        return ops.reshape(ops.astype(recv, dtype), (rows[me], *shape[1:]))
 
 
 def reducescatter_rows(first_dim: int, n: int) -> list[int]:

@@ -90,8 +90,9 @@ class Ready:
     signatures: list[Signature | None]
     error: HoraError | None = None
     _first: Signature | None = dataclasses.field(default=None, repr=False)
-    #: the executor's cached plan for this request (reused while the Ready is cached)
-    plan: list | None = dataclasses.field(default=None, repr=False)
+    #: the executor's :data:`~hora.core.executor.AllreducePlan` for this request, cached here so
+    #: that it lives exactly as long as the validated Ready it was derived from
+    plan: tuple | None = dataclasses.field(default=None, repr=False)
 
     def first(self) -> Signature:
         """The signature of the lowest rank that submitted (they agree when ``error`` is None)."""

@@ -8,22 +8,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
+from hora.core.buffers import Array, ArrayOps, ops_for
+from hora.core.buffers.numpy_ops import NUMPY
 from hora.core.ops import CollectiveType, ReduceOp
 from hora.errors import HoraError
 
 # Encoding a signature costs more than the rest of a small collective's round;
 # training submits the same few signatures every step, so remember them.
 _SIGNATURES: dict[tuple, bytes] = {}
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
-    return name
 
 
 @dataclasses.dataclass(slots=True)
@@ -34,8 +26,8 @@ class Entry:
     alltoall, reducescatter, whose output shape depends on other ranks).
     """
 
-    input: torch.Tensor
-    output: torch.Tensor | None
+    input: Array
+    output: Array | None
     splits: list[int] | None = None  # alltoall only: rows sent to each rank
 
 
@@ -44,7 +36,8 @@ class Request:
     """A named collective on one or more tensors (more than one: a grouped op).
 
     A grouped request is negotiated and executed as a unit: it runs only when
-    every one of its tensors is ready on every rank.
+    every one of its tensors is ready on every rank.  All its tensors belong
+    to one array family, whose operations (``ops``) the executor uses on them.
     """
 
     name: str
@@ -56,11 +49,14 @@ class Request:
     prescale: float = 1.0
     postscale: float = 1.0
     payload: Any = None  # control requests (process-set ranks, ...)
+    ops: ArrayOps | None = None  # the entries' family; found from the first input when not given
     sig_bytes: bytes | None = None
     handle: Handle = dataclasses.field(init=False)
     submitted_at: float = dataclasses.field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
+        if self.ops is None:
+            self.ops = ops_for(self.entries[0].input) if self.entries else NUMPY
         self.handle = Handle(self)
 
     @property
@@ -79,11 +75,12 @@ class Request:
             if self.kind == CollectiveType.ADD_PROCESS_SET:
                 tensors: tuple = (("int64", tuple(self.payload), ()),)
             else:
+                ops = self.ops
                 tensors = tuple(
-                    (_dtype_name(e.input.dtype), tuple(e.input.shape), tuple(e.splits) if e.splits else ())
+                    (ops.dtype_name(e.input), ops.shape(e.input), tuple(e.splits) if e.splits else ())
                     for e in self.entries
                 )
-            device = self.entries[0].input.device.type if self.entries else "cpu"
+            device = self.ops.device_type(self.entries[0].input) if self.entries else "cpu"
             key = (self.kind, tensors, self.op, self.root, self.prescale, self.postscale, self.process_set_id,
                    device)
             encoded = _SIGNATURES.get(key)
@@ -109,7 +106,8 @@ _DONE = threading.Condition()
 class Handle:
     """An in-flight request; ``wait()`` returns its outputs or raises its error."""
 
-    __slots__ = ("_request", "name", "ident", "_done", "_result", "_error", "driver", "__weakref__")
+    __slots__ = ("_request", "name", "ident", "_done", "_result", "_error", "driver", "wrap", "observed",
+                 "__weakref__")
 
     def __init__(self, request: Request) -> None:
         # Request and handle point at each other while the request is in flight; _finish()
@@ -124,6 +122,11 @@ class Handle:
         self._error: BaseException | None = None
         #: set by the engine: runs negotiation rounds on the waiting thread
         self.driver: Callable[[Handle], None] | None = None
+        #: set by the binding: turns the engine's result into the framework's (applied by wait())
+        self.wrap: Callable[[Any], Any] | None = None
+        #: True once the program has seen the request finish (wait() returned or poll() said done);
+        #: until then its name may not be submitted again
+        self.observed = False
 
     @property
     def request(self) -> Request | None:
@@ -132,6 +135,12 @@ class Handle:
 
     def done(self) -> bool:
         """True once the request completed or failed; never blocks."""
+        return self._done
+
+    def poll(self) -> bool:
+        """Like :meth:`done`, and a True answer counts as the program having seen the result."""
+        if self._done:
+            self.observed = True
         return self._done
 
     def wait_event(self, timeout: float | None) -> bool:
@@ -147,9 +156,10 @@ class Handle:
             self.driver(self)
         if not self.wait_event(timeout):
             raise TimeoutError(f"collective {self.name!r} did not finish within {timeout} s")
+        self.observed = True
         if self._error is not None:
             raise self._error
-        return self._result
+        return self._result if self.wrap is None else self.wrap(self._result)
 
     def _finish(self) -> None:
         self._request = None

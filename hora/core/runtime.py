@@ -12,6 +12,7 @@ import atexit
 import itertools
 import logging
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ from hora.core.engine import Engine
 from hora.core.ops import CollectiveType
 from hora.core.process_sets import normalize_ranks
 from hora.core.request import Handle, Request
-from hora.errors import ConfigError, NotInitializedError
+from hora.errors import ConfigError, DuplicateNameError, NotInitializedError
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +85,16 @@ global_process_set.ranks = None  # filled at init()
 
 
 class Runtime:
-    """One initialised hora: the engine plus the registered process sets."""
+    """One initialised hora: the engine, the registered process sets, and the names in use."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.process_sets: dict[int, ProcessSet] = {0: global_process_set}
         self._names: dict[tuple[str, int], itertools.count] = {}
+        # request key (name and process set) -> the handle last submitted under it, until the program
+        # has seen it finish.  Weak, so a handle the program dropped frees its name.
+        self._unseen: dict[str, weakref.ref[Handle]] = {}
+        self._unseen_lock = threading.Lock()
 
     def auto_name(self, kind: str, process_set_id: int = 0) -> str:
         """Horovod-style generated name.  Counted per process set, because only
@@ -99,8 +104,28 @@ class Runtime:
         counter = self._names.setdefault((kind, process_set_id), itertools.count())
         return f"{kind}.noname.{next(counter)}"
 
-    def submit(self, request: Request, wake: bool = True) -> Handle:
-        return self.engine.submit(request, wake)
+    def claim_name(self, request: Request, handle: Handle) -> None:
+        """Record that ``handle`` now holds the user-given name of ``request``.
+
+        Raises:
+            DuplicateNameError: an earlier collective under the same name (in
+                the same process set) has not been waited for, or polled done,
+                yet.  Whether it has finished does not matter, so the outcome
+                never depends on timing.
+        """
+        key = request.key
+        with self._unseen_lock:
+            ref = self._unseen.get(key)
+            earlier = ref() if ref is not None else None
+            if earlier is not None and not earlier.observed:
+                kind = request.kind.label
+                raise DuplicateNameError(
+                    f"{kind} named {request.name!r} was submitted while an earlier collective with that name has "
+                    "not been synchronized (waited for) yet; use a different name, or synchronize() the first "
+                    "handle before reusing it")
+            self._unseen[key] = weakref.ref(handle)
+            if len(self._unseen) > 4096:  # forget names whose handles are gone or were seen
+                self._unseen = {k: r for k, r in self._unseen.items() if (h := r()) is not None and not h.observed}
 
 
 _lock = threading.RLock()
@@ -181,7 +206,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         raise ConfigError(f"{ps} is already registered")
     ranks = normalize_ranks(ps.ranks or [], rt.engine.size)
     request = Request(rt.auto_name("process_set.add"), CollectiveType.ADD_PROCESS_SET, [], payload=ranks)
-    ps.process_set_id = rt.submit(request).wait()
+    ps.process_set_id = rt.engine.submit(request).wait()
     ps.ranks = list(ranks)
     rt.process_sets[ps.process_set_id] = ps
     return ps
@@ -194,7 +219,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         return False
     request = Request(rt.auto_name("process_set.remove"), CollectiveType.REMOVE_PROCESS_SET, [],
                       root=process_set.process_set_id)
-    removed = rt.submit(request).wait()
+    removed = rt.engine.submit(request).wait()
     rt.process_sets.pop(process_set.process_set_id, None)
     process_set.process_set_id = None
     return bool(removed)

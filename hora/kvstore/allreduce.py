@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from hora.core import runtime
+from hora.core import collectives, runtime
 from hora.core.ops import CollectiveType, ReduceOp
-from hora.core.request import Entry, Handle, Request
+from hora.core.request import Handle
 from hora.errors import ConfigError, HoraError
 from hora.kvstore.arrays import Array, converted, copy_into, copy_of, device_of, dtype_name, numpy_of, shape_of
 from hora.kvstore.held import HeldKVStore
@@ -82,8 +82,7 @@ class AllreduceKVStore(HeldKVStore):
     def barrier(self) -> None:
         """Finish this rank's pushes in flight, then wait until every rank reaches the barrier."""
         self._settle_all()
-        rt = runtime.current()
-        rt.submit(Request(rt.auto_name("barrier"), CollectiveType.BARRIER, []), wake=False).wait()
+        collectives.submit(CollectiveType.BARRIER, [], wake=False).wait()
 
     def close(self) -> None:
         """Finish pushes in flight (the engine keeps running).  Idempotent."""
@@ -123,7 +122,7 @@ class AllreduceKVStore(HeldKVStore):
                 self._pending[key] = _Pending(handle, merged, compressed=False)
             else:
                 packed = self._compressor.compress(key, numpy_of(merged))
-                handle = self._submit(CollectiveType.ALLGATHER, packed.view(np.int32), name, gather=True)
+                handle = self._submit(CollectiveType.ALLGATHER, packed.view(np.int32), name)
                 self._pending[key] = _Pending(handle, merged, compressed=True)
 
     def _pull(self, keys: list[str], outs: list[list[Array]], priority: int) -> None:
@@ -138,16 +137,12 @@ class AllreduceKVStore(HeldKVStore):
                 copy_into(out, stored)
 
     # --- internals --------------------------------------------------------------------------------
-    def _submit(self, kind: CollectiveType, value: Array, name: str, *, root: int = -1, wake: bool = True,
-                gather: bool = False) -> Handle:
-        import torch
-
-        tensor = torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else value
-        if tensor.is_cuda:  # the engine's streams must see the values computed on the current one
-            torch.cuda.current_stream(tensor.device).synchronize()
-        entry = Entry(tensor, None if gather else tensor)
-        request = Request(name, kind, [entry], op=ReduceOp.SUM, root=root)
-        return runtime.current().submit(request, wake=wake)
+    def _submit(self, kind: CollectiveType, value: Array, name: str, *, root: int = -1, wake: bool = True) -> Handle:
+        """Reduce, broadcast (both in place) or gather ``value`` through the core's entry point."""
+        buf = np.ascontiguousarray(value) if isinstance(value, np.ndarray) else value
+        adapter = collectives.NUMPY_ADAPTER if isinstance(buf, np.ndarray) else _torch_adapter()
+        return collectives.submit(kind, [buf], name=name, op=ReduceOp.SUM, root=root, inplace=True,
+                                  adapter=adapter, wake=wake)
 
     def _settle(self, key: str) -> None:
         """Wait for the key's push in flight (if any) and apply it to the stored value."""
@@ -171,6 +166,13 @@ class AllreduceKVStore(HeldKVStore):
     def _settle_all(self) -> None:
         for key in list(self._pending):
             self._settle(key)
+
+
+def _torch_adapter() -> collectives.Adapter:
+    """torch tensors pass as they are; CUDA ones after the current stream has written them."""
+    from hora.core.buffers.torch_ops import wait_for_stream
+
+    return collectives.Adapter(to_buffer=lambda t: t, sync=wait_for_stream)
 
 
 __all__ = ["AllreduceKVStore"]

@@ -74,10 +74,10 @@ def init(comm=None, process_sets=None) -> None:
 
 def shutdown() -> None:
     """Stop hora on every rank; ``init()`` may be called again afterwards."""
-    from hora.torch.mpi_ops import _forget_handles
+    from hora.torch.async_ops import forget_handles
 
     _runtime.shutdown()
-    _forget_handles()
+    forget_handles()
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from hora.core.ops import ReduceOp
-from hora.torch import mpi_ops
+from hora.torch import async_ops as mpi_ops
 
 
 def _ps_size_rank(process_set) -> tuple[int, int]:
@@ -27,7 +27,7 @@ class HoraAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale, postscale, process_set):
         ctx.args = (op, prescale, postscale, process_set)
-        return mpi_ops._now(
+        return mpi_ops.run_now(
             mpi_ops.allreduce_async,
             tensor,
             name=name,
@@ -40,7 +40,7 @@ class HoraAllreduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         op, prescale, postscale, process_set = ctx.args
-        out = mpi_ops._now(
+        out = mpi_ops.run_now(
             mpi_ops.allreduce_async,
             grad.contiguous(),
             op=op,
@@ -56,7 +56,7 @@ class HoraGroupedAllreduce(torch.autograd.Function):
     def forward(ctx, name, op, prescale, postscale, process_set, *tensors):
         ctx.args = (op, prescale, postscale, process_set)
         return tuple(
-            mpi_ops._now(
+            mpi_ops.run_now(
                 mpi_ops.grouped_allreduce_async,
                 list(tensors),
                 name=name,
@@ -70,7 +70,7 @@ class HoraGroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         op, prescale, postscale, process_set = ctx.args
-        outs = mpi_ops._now(
+        outs = mpi_ops.run_now(
             mpi_ops.grouped_allreduce_async,
             [g.contiguous() for g in grads],
             op=op,
@@ -86,14 +86,14 @@ class HoraAllgather(torch.autograd.Function):
     def forward(ctx, tensor, name, process_set):
         ctx.rows = tensor.shape[0] if tensor.dim() else 1
         ctx.process_set = process_set
-        return mpi_ops._now(mpi_ops.allgather_async, tensor, name=name, process_set=process_set)
+        return mpi_ops.run_now(mpi_ops.allgather_async, tensor, name=name, process_set=process_set)
 
     @staticmethod
     def backward(ctx, grad):
-        reduced = mpi_ops._now(
+        reduced = mpi_ops.run_now(
             mpi_ops.allreduce_async, grad.contiguous(), op=ReduceOp.AVERAGE, process_set=ctx.process_set
         )
-        rows = mpi_ops._now(
+        rows = mpi_ops.run_now(
             mpi_ops.allgather_async, torch.tensor([ctx.rows], dtype=torch.int64), process_set=ctx.process_set
         )
         _, me = _ps_size_rank(ctx.process_set)
@@ -106,13 +106,13 @@ class HoraBroadcast(torch.autograd.Function):
     def forward(ctx, tensor, root_rank, name, process_set):
         ctx.root = root_rank
         ctx.process_set = process_set
-        return mpi_ops._now(mpi_ops.broadcast_async, tensor, root_rank, name=name, process_set=process_set)
+        return mpi_ops.run_now(mpi_ops.broadcast_async, tensor, root_rank, name=name, process_set=process_set)
 
     @staticmethod
     def backward(ctx, grad):
         from hora.core import runtime
 
-        reduced = mpi_ops._now(
+        reduced = mpi_ops.run_now(
             mpi_ops.allreduce_async, grad.contiguous(), op=ReduceOp.AVERAGE, process_set=ctx.process_set
         )
         if runtime.current().engine.rank != ctx.root:
@@ -123,7 +123,7 @@ class HoraBroadcast(torch.autograd.Function):
 class HoraAlltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, splits, name, process_set):
-        out, received = mpi_ops._now(mpi_ops.alltoall_async, tensor, splits, name=name, process_set=process_set)
+        out, received = mpi_ops.run_now(mpi_ops.alltoall_async, tensor, splits, name=name, process_set=process_set)
         ctx.received = received
         ctx.process_set = process_set
         ctx.mark_non_differentiable(received)
@@ -131,7 +131,7 @@ class HoraAlltoall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, _grad_splits):
-        back, _ = mpi_ops._now(mpi_ops.alltoall_async, grad.contiguous(), ctx.received, process_set=ctx.process_set)
+        back, _ = mpi_ops.run_now(mpi_ops.alltoall_async, grad.contiguous(), ctx.received, process_set=ctx.process_set)
         return back, None, None, None
 
 
@@ -139,7 +139,7 @@ class HoraReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, process_set, prescale, postscale):
         ctx.args = (op, process_set, prescale, postscale)
-        return mpi_ops._now(
+        return mpi_ops.run_now(
             mpi_ops.reducescatter_async,
             tensor,
             name=name,
@@ -153,7 +153,7 @@ class HoraReducescatter(torch.autograd.Function):
     def backward(ctx, grad):
         op, process_set, prescale, postscale = ctx.args
         grad = _reducescatter_grad_scale(grad, op, process_set, prescale, postscale)
-        gathered = mpi_ops._now(mpi_ops.allgather_async, grad.contiguous(), process_set=process_set)
+        gathered = mpi_ops.run_now(mpi_ops.allgather_async, grad.contiguous(), process_set=process_set)
         return gathered, None, None, None, None, None
 
 
@@ -162,17 +162,17 @@ class HoraGroupedAllgather(torch.autograd.Function):
     def forward(ctx, name, process_set, *tensors):
         ctx.rows = [t.shape[0] if t.dim() else 1 for t in tensors]
         ctx.process_set = process_set
-        return tuple(mpi_ops._now(mpi_ops.grouped_allgather_async, list(tensors), name=name,
+        return tuple(mpi_ops.run_now(mpi_ops.grouped_allgather_async, list(tensors), name=name,
                                   process_set=process_set))
 
     @staticmethod
     def backward(ctx, *grads):
-        reduced = mpi_ops._now(
+        reduced = mpi_ops.run_now(
             mpi_ops.grouped_allreduce_async, [g.contiguous() for g in grads], op=ReduceOp.AVERAGE,
             process_set=ctx.process_set,
         )
         rows = torch.tensor(ctx.rows, dtype=torch.int64).view(1, -1)
-        all_rows = mpi_ops._now(mpi_ops.allgather_async, rows, process_set=ctx.process_set)  # (size, n)
+        all_rows = mpi_ops.run_now(mpi_ops.allgather_async, rows, process_set=ctx.process_set)  # (size, n)
         _, me = _ps_size_rank(ctx.process_set)
         offsets = all_rows[:me].sum(0).tolist()
         outs = [g.narrow(0, int(off), n) for g, off, n in zip(reduced, offsets, ctx.rows, strict=True)]
@@ -183,7 +183,7 @@ class HoraGroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, op, process_set, prescale, postscale, *tensors):
         ctx.args = (op, process_set, prescale, postscale)
-        return tuple(mpi_ops._now(
+        return tuple(mpi_ops.run_now(
             mpi_ops.grouped_reducescatter_async, list(tensors), name=name, op=op, process_set=process_set,
             prescale_factor=prescale, postscale_factor=postscale,
         ))
@@ -192,7 +192,7 @@ class HoraGroupedReducescatter(torch.autograd.Function):
     def backward(ctx, *grads):
         op, process_set, prescale, postscale = ctx.args
         scaled = [_reducescatter_grad_scale(g, op, process_set, prescale, postscale).contiguous() for g in grads]
-        gathered = mpi_ops._now(mpi_ops.grouped_allgather_async, scaled, process_set=process_set)
+        gathered = mpi_ops.run_now(mpi_ops.grouped_allgather_async, scaled, process_set=process_set)
         return (None, None, None, None, None, *gathered)
 
 

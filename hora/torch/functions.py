@@ -9,6 +9,7 @@ import cloudpickle
 import torch
 
 from hora.core import runtime
+from hora.core.collectives import process_set_id
 from hora.core.runtime import global_process_set
 from hora.torch import mpi_ops
 
@@ -37,7 +38,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set=global_process_set) -> Any:
     """Send any picklable object from the root to every rank and return it."""
     rt = runtime.current()
-    name = name or rt.auto_name("broadcast_object", mpi_ops._pset_id(process_set))
+    name = name or rt.auto_name("broadcast_object", process_set_id(process_set))
     if rt.engine.rank == root_rank:
         payload = cloudpickle.dumps(obj)
         size = torch.tensor([len(payload)], dtype=torch.int64)
@@ -56,7 +57,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
 def allgather_object(obj: Any, name: str | None = None, process_set=global_process_set) -> list[Any]:
     """Gather one picklable object from every rank; returns them in rank order."""
     rt = runtime.current()
-    name = name or rt.auto_name("allgather_object", mpi_ops._pset_id(process_set))
+    name = name or rt.auto_name("allgather_object", process_set_id(process_set))
     payload = cloudpickle.dumps(obj)
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     sizes = mpi_ops.allgather(torch.tensor([data.numel()], dtype=torch.int64), name=f"{name}.sizes",

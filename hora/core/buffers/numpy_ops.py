@@ -1,0 +1,118 @@
+"""The ``numpy`` array family: host buffers as NumPy arrays."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+
+from hora.core.buffers import Array, ArrayOps
+
+
+@functools.cache
+def np_dtype(name: str) -> np.dtype:
+    """The NumPy dtype for a dtype name; ``bfloat16`` comes from ml_dtypes when it is installed."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        if name == "bfloat16":
+            try:
+                import ml_dtypes
+            except ImportError as e:
+                raise TypeError("bfloat16 NumPy arrays need the ml_dtypes package: pip install ml_dtypes") from e
+            return np.dtype(ml_dtypes.bfloat16)
+        raise
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+class NumpyOps(ArrayOps):
+    """:class:`~hora.core.buffers.ArrayOps` on NumPy arrays (always on the host)."""
+
+    family = "numpy"
+
+    def dtype_name(self, a: Array) -> str:
+        return a.dtype.name
+
+    def shape(self, a: Array) -> tuple[int, ...]:
+        return a.shape
+
+    def device(self, a: Array) -> str:
+        return "cpu"
+
+    def device_type(self, a: Array) -> str:
+        return "cpu"
+
+    def numel(self, a: Array) -> int:
+        return a.size
+
+    def is_contiguous(self, a: Array) -> bool:
+        return a.flags.c_contiguous
+
+    def same_memory(self, a: Array, b: Array) -> bool:
+        return _address(a) == _address(b)
+
+    def empty(self, shape: Sequence[int], dtype: str, device: str) -> Array:
+        return np.empty(tuple(shape), np_dtype(dtype))
+
+    def zeros(self, shape: Sequence[int], dtype: str, device: str) -> Array:
+        return np.zeros(tuple(shape), np_dtype(dtype))
+
+    def empty_like(self, a: Array) -> Array:
+        return np.empty(a.shape, a.dtype)
+
+    def clone(self, a: Array) -> Array:
+        return np.array(a, copy=True, order="C")
+
+    def contiguous(self, a: Array) -> Array:
+        return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+
+    def int32_vector(self, values: Sequence[int], device: str = "cpu") -> Array:
+        return np.asarray(values, np.int32)
+
+    def flat(self, a: Array) -> Array:
+        return a.reshape(-1)
+
+    def as_bytes(self, a: Array) -> Array:
+        return a.reshape(-1).view(np.uint8)
+
+    def reshape(self, a: Array, shape: Sequence[int]) -> Array:
+        return a.reshape(tuple(shape))
+
+    def astype(self, a: Array, dtype: str) -> Array:
+        target = np_dtype(dtype)
+        return a if a.dtype == target else a.astype(target)
+
+    def copy_(self, dst: Array, src: Array) -> None:
+        np.copyto(dst, src.reshape(dst.shape), casting="unsafe")
+
+    def scale_(self, a: Array, factor: float) -> None:
+        if factor == 1.0:
+            return
+        if a.dtype.kind == "f" or a.dtype.name == "bfloat16":
+            np.multiply(a, factor, out=a, casting="unsafe")
+        else:
+            np.copyto(a, np.trunc(a.astype(np.float64) * factor), casting="unsafe")
+
+    def scaled_copy_(self, dst: Array, src: Array, factor: float) -> None:
+        if factor != 1.0 and dst.dtype.kind == "f":
+            np.multiply(src.reshape(dst.shape), factor, out=dst, casting="unsafe")
+        else:
+            self.copy_(dst, src)
+            self.scale_(dst, factor)
+
+    def pack(self, sources: Sequence[Array], out: Array) -> None:
+        np.concatenate([s.reshape(-1) for s in sources], out=out, casting="unsafe")
+
+    def unpack(self, buf: Array, outputs: Sequence[Array]) -> None:
+        offset = 0
+        for out in outputs:
+            n = out.size
+            np.copyto(out, buf[offset : offset + n].reshape(out.shape), casting="unsafe")
+            offset += n
+
+
+NUMPY = NumpyOps()
