@@ -86,6 +86,17 @@ def test_run_rejects_unsupported_or_bad_arguments(kwargs, error, message):
 def test_import_hora_stays_light():
     code = "import sys, hora; print(hora.__version__, 'hora.runner' in sys.modules, callable(hora.run))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True)
-    assert out.stdout.split() == ["0.1.0", "False", "True"]
+    assert out.stdout.split() == [hora.__version__, "False", "True"]
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         hora.nope  # noqa: B018
+
+
+def test_the_version_lives_in_hora_init_only():
+    """The installed metadata and ``hora --version`` both read ``hora.__version__``."""
+    import importlib.metadata
+
+    assert importlib.metadata.version("hora") == hora.__version__
+    for module in ("hora.cli", "hora.runner.cli"):
+        out = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True,
+                             timeout=60, check=True)
+        assert out.stdout.strip() == f"hora {hora.__version__}"
