@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hora import envvars
 from hora.errors import ConfigError, LaunchError
 
 #: Marker of a worker's event line.
@@ -35,6 +36,9 @@ EVENT_MARK = "HORA_BENCH "
 _EVENT_LINE = re.compile(r"^(?:\[(\d+)\]<std(?:out|err)>:)?" + re.escape(EVENT_MARK) + r"(.*)$")
 #: Launcher variables a nested job must not inherit (the bench may itself run inside a job).
 _LAUNCHER_ENV_PREFIXES = ("HORA_", "HOROVOD_", "OMPI_", "PMIX_", "PMI_", "PRTE_", "DMLC_", "SLURM_")
+#: torchrun's variables, which a nested job must not inherit either.
+_TORCHRUN_VARIABLES = (envvars.TORCHRUN_RANK, envvars.TORCHRUN_WORLD_SIZE, envvars.TORCHRUN_LOCAL_RANK, "LOCAL_SIZE",
+                       envvars.TORCHRUN_LOCAL_WORLD_SIZE, envvars.MASTER_ADDR, envvars.MASTER_PORT)
 #: Lines of output kept for the error message of a failed job.
 TAIL_LINES = 40
 
@@ -109,11 +113,11 @@ class JobSpec:
 def job_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """This process's environment minus launcher variables, with hora importable from where it is now."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV_PREFIXES)}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for name in _TORCHRUN_VARIABLES:
         env.pop(name, None)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    env["PYTHONUNBUFFERED"] = "1"
+    env[envvars.PYTHONUNBUFFERED] = "1"
     env.update(extra or {})
     return env
 
