@@ -81,7 +81,20 @@ class EngineConfig:
         stall_shutdown_seconds: after this long, every rank raises
             :class:`hora.errors.StallError` instead of waiting; 0 waits forever.
         start_timeout_seconds: how long rendezvous may take at ``init()``.
-        timeline_filename: write a Chrome trace of engine activity here.
+        timeline_filename: write a Chrome trace of engine activity here
+            (:mod:`hora.core.timeline`; rank 0 only unless ``timeline_all_ranks``).
+        timeline_mark_cycles: add a ``CYCLE_START`` instant per engine round.
+        timeline_max_mb: size cap of the timeline file in MiB; 0: none.
+        timeline_rotate: at the cap, continue in a new file instead of stopping.
+        timeline_all_ranks: every rank writes its own file beside rank 0's
+            (``<stem>.rank<r><suffix>``).
+        timeline_queue: records the timeline's queue holds before dropping new ones.
+        autotune: tune fusion threshold, cycle time, direct threshold and
+            overlap while the job runs (:mod:`hora.core.autotune`).
+        autotune_log_file: CSV of every autotune trial (rank 0).
+        autotune_warmup_samples: samples discarded after each change of settings.
+        autotune_steps_per_sample: training steps in one scored sample.
+        autotune_max_samples: trials before autotune settles on the best.
         mpi_threads: ask MPI for MPI_THREAD_MULTIPLE.
         overlap: run asynchronous collectives on the engine thread as soon as
             they are submitted, overlapping them with computation.  ``None``
@@ -104,6 +117,16 @@ class EngineConfig:
     stall_shutdown_seconds: float = 0.0
     start_timeout_seconds: float = 30.0
     timeline_filename: str | None = None
+    timeline_mark_cycles: bool = False
+    timeline_max_mb: float = 0.0
+    timeline_rotate: bool = False
+    timeline_all_ranks: bool = False
+    timeline_queue: int = 1 << 16
+    autotune: bool = False
+    autotune_log_file: str | None = None
+    autotune_warmup_samples: int = 3
+    autotune_steps_per_sample: int = 10
+    autotune_max_samples: int = 20
     mpi_threads: bool = True
     overlap: bool | None = None
     malloc_tuning: bool = True
@@ -120,6 +143,14 @@ class EngineConfig:
             raise ConfigError(f"cycle time {self.cycle_time_ms} ms must be >= 0")
         if self.cache_capacity < 0:
             raise ConfigError(f"cache capacity {self.cache_capacity} must be >= 0")
+        if self.timeline_max_mb < 0 or self.timeline_queue < 1:
+            raise ConfigError(f"HORA_TIMELINE_MAX_MB={self.timeline_max_mb} must be >= 0 and HORA_TIMELINE_QUEUE="
+                              f"{self.timeline_queue} >= 1")
+        if self.autotune_warmup_samples < 0 or self.autotune_steps_per_sample < 1 or self.autotune_max_samples < 1:
+            raise ConfigError(
+                f"autotune needs HORA_AUTOTUNE_WARMUP_SAMPLES >= 0 (got {self.autotune_warmup_samples}), "
+                f"HORA_AUTOTUNE_STEPS_PER_SAMPLE >= 1 (got {self.autotune_steps_per_sample}) and "
+                f"HORA_AUTOTUNE_MAX_SAMPLES >= 1 (got {self.autotune_max_samples})")
         if self.stall_shutdown_seconds and self.stall_check_seconds and (
             self.stall_shutdown_seconds < self.stall_check_seconds
         ):
@@ -159,6 +190,20 @@ class EngineConfig:
                 env, (envvars.HORA_START_TIMEOUT, envvars.HOROVOD_GLOO_TIMEOUT_SECONDS), 30.0
             ),
             timeline_filename=_lookup(env, envvars.HORA_TIMELINE, envvars.HOROVOD_TIMELINE),
+            timeline_mark_cycles=_as_bool(
+                env, (envvars.HORA_TIMELINE_MARK_CYCLES, envvars.HOROVOD_TIMELINE_MARK_CYCLES), False),
+            timeline_max_mb=_as_float(env, (envvars.HORA_TIMELINE_MAX_MB,), 0.0),
+            timeline_rotate=_as_bool(env, (envvars.HORA_TIMELINE_ROTATE,), False),
+            timeline_all_ranks=_as_bool(env, (envvars.HORA_TIMELINE_ALL_RANKS,), False),
+            timeline_queue=_as_int(env, (envvars.HORA_TIMELINE_QUEUE,), 1 << 16),
+            autotune=_as_bool(env, (envvars.HORA_AUTOTUNE, envvars.HOROVOD_AUTOTUNE), False),
+            autotune_log_file=_lookup(env, envvars.HORA_AUTOTUNE_LOG, envvars.HOROVOD_AUTOTUNE_LOG),
+            autotune_warmup_samples=_as_int(
+                env, (envvars.HORA_AUTOTUNE_WARMUP_SAMPLES, envvars.HOROVOD_AUTOTUNE_WARMUP_SAMPLES), 3),
+            autotune_steps_per_sample=_as_int(
+                env, (envvars.HORA_AUTOTUNE_STEPS_PER_SAMPLE, envvars.HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE), 10),
+            autotune_max_samples=_as_int(
+                env, (envvars.HORA_AUTOTUNE_MAX_SAMPLES, envvars.HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES), 20),
             mpi_threads=not _as_bool(
                 env, (envvars.HORA_MPI_THREADS_DISABLE, envvars.HOROVOD_MPI_THREADS_DISABLE), False
             ),

@@ -20,6 +20,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -112,9 +113,12 @@ class Engine:
         self.overlap = config.overlap if config.overlap is not None else (
             cores_per_rank >= 2 or "cuda" in self._backends)
         self.rounds = 0
-        if config.timeline_filename and self.rank == 0:
-            log.warning("HORA_TIMELINE=%s: the timeline is not implemented yet; no trace will be written",
-                        config.timeline_filename)
+        #: the :class:`~hora.core.timeline.Timeline` recording this rank, or None (see :meth:`set_timeline`)
+        self.timeline: Any = None
+        if config.timeline_filename:
+            from hora.core import timeline
+
+            timeline.start(self, config.timeline_filename, config.timeline_mark_cycles)
         self._thread = threading.Thread(target=self._main, name=f"hora-engine-{self.rank}", daemon=True)
         self._thread.start()
 
@@ -168,7 +172,20 @@ class Engine:
             if self._thread.is_alive():
                 log.warning("hora engine did not stop within %.0f s (another rank may be gone); abandoning it",
                             timeout)
+        if self.timeline is not None:
+            from hora.core import timeline
+
+            timeline.stop(self)
         self._teardown_backends()
+
+    def set_timeline(self, timeline: Any) -> Any:
+        """Record into ``timeline`` from the next round on (None: stop recording); returns the previous one.
+
+        :func:`hora.core.timeline.start` and ``stop`` call this; they open and close the files.
+        """
+        previous, self.timeline = self.timeline, timeline
+        self._executor.timeline = timeline
+        return previous
 
     @property
     def running(self) -> bool:
@@ -298,6 +315,9 @@ class Engine:
         """
         self.rounds += 1
         self._last_round_at = time.monotonic()
+        tl = self.timeline
+        if tl is not None and tl.mark_cycles:
+            tl.cycle(self._last_round_at)
         cache, rank = self._cache, self.rank
         vector = np.zeros(HEADER + len(cache), np.int64)
         announce: dict[str, bytes] = {}
@@ -351,6 +371,8 @@ class Engine:
         if ready is None:
             ready = resolve(cache, totals, announcements, self._joined_ranks, members, self.size)
         self._last_progress = bool(ready)
+        if tl is not None:
+            tl.observe_round(time.monotonic(), self._pending, cache, totals, HEADER, announcements, members, ready)
         self._execute(ready)
 
         if totals[SLOT_JOINED] == self.size:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -96,6 +97,7 @@ class _Slot:
 @dataclasses.dataclass(slots=True)
 class _Bucket:
     key: tuple
+    device_type: str
     ops: ArrayOps
     compute_dtype: str
     op: ReduceOp
@@ -122,9 +124,11 @@ class Executor:
         self._psets = process_sets
         self.fusion_threshold = fusion_threshold_bytes
         self._direct_override = direct_threshold_bytes
-        self._buffers: dict[tuple[str, str, str], Array] = {}  # (family, dtype, device) -> fusion buffer
+        self._buffers: dict[tuple[str, str, Any], Array] = {}  # (family, dtype, device) -> fusion buffer
         # The family and exact device (cuda:1, not just cuda) of this rank's tensors, for a joined rank's zeros.
-        self._devices: dict[str, tuple[ArrayOps, str]] = {}
+        self._devices: dict[str, tuple[ArrayOps, Any]] = {}
+        #: the :class:`~hora.core.timeline.Timeline` recording this rank, or None (the engine sets it)
+        self.timeline: Any = None
 
     # ------------------------------------------------------------------ driver
     def run(self, items: Sequence[tuple[Ready, Request | None]]) -> None:
@@ -143,7 +147,7 @@ class Executor:
                 f"hora engine failed on rank {self.rank}: {type(e).__name__}: {e}. This usually means another "
                 "rank exited or crashed; look for the first error in the other ranks' output") from e
 
-    def _device(self, kind: str, request: Request | None) -> tuple[ArrayOps, str]:
+    def _device(self, kind: str, request: Request | None) -> tuple[ArrayOps, Any]:
         """The family and device of this rank's tensors of device type ``kind`` (remembered for rounds it joins)."""
         if request is not None and request.entries:
             ops = request.ops
@@ -194,13 +198,13 @@ class Executor:
                 zeros = ops.zeros(t.shape, t.dtype, device)
                 slot = _Slot(None, i, zeros, zeros)
             if t.direct:
-                order.append(_Bucket(t.bucket, ops, t.compute, t.op, sig.prescale, t.postscale, pset, [slot],
-                                     t.nbytes))
+                order.append(_Bucket(t.bucket, sig.device, ops, t.compute, t.op, sig.prescale, t.postscale, pset,
+                                     [slot], t.nbytes))
                 continue
             key = (t.bucket, ops.family)  # NumPy arrays and torch tensors never share a buffer
             bucket = buckets.get(key)
             if bucket is None or bucket.nbytes + t.nbytes > limit:
-                bucket = _Bucket(t.bucket, ops, t.compute, t.op, sig.prescale, t.postscale, pset)
+                bucket = _Bucket(t.bucket, sig.device, ops, t.compute, t.op, sig.prescale, t.postscale, pset)
                 buckets[key] = bucket
                 order.append(bucket)
             bucket.slots.append(slot)
@@ -237,17 +241,16 @@ class Executor:
         each bucket is finished before the next starts.
         """
         in_flight: list[Callable[[], None]] = []
-        claimed: dict[tuple[str, str, str], int] = {}  # fusion-buffer elements held by buckets in flight
+        claimed: dict[tuple[str, str, Any], int] = {}  # fusion-buffer elements held by buckets in flight
         for bucket in order:
             ops = bucket.ops
-            source = bucket.slots[0].source
-            backend = self._backend_for(ops.device_type(source))
+            backend = self._backend_for(bucket.device_type)
             group = self._group(bucket.pset, backend)
             if len(bucket.slots) == 1:
                 finish = self._start_direct(bucket, bucket.slots[0], backend, group, len(order))
             else:
                 numel = sum(ops.numel(s.source) for s in bucket.slots)
-                device = ops.device(source)
+                device = ops.device(bucket.slots[0].source)
                 key = (ops.family, bucket.compute_dtype, device)
                 offset = claimed.get(key, 0)
                 if offset and offset + numel > self.fusion_threshold // ITEMSIZE[bucket.compute_dtype]:
@@ -277,6 +280,9 @@ class Executor:
         cost 4 ms for ResNet-50's 150 small tensors.
         """
         ops, slots = bucket.ops, bucket.slots
+        tl = self.timeline
+        if tl is not None:
+            return self._traced_fused(tl, bucket, buf, backend, group, fanout)
         ops.pack([s.source for s in slots], buf)
         ops.scale_(buf, bucket.prescale)
         wait = backend.allreduce_start(buf, bucket.op, group, fanout)
@@ -288,11 +294,34 @@ class Executor:
 
         return finish
 
+    def _traced_fused(
+        self, tl: Any, bucket: _Bucket, buf: Array, backend: Backend, group: Any, fanout: int
+    ) -> Callable[[], None]:
+        """:meth:`_start_fused` with the timeline's timestamps: packing, the reduction, unpacking."""
+        ops, slots = bucket.ops, bucket.slots
+        start = time.monotonic()
+        ops.pack([s.source for s in slots], buf)
+        ops.scale_(buf, bucket.prescale)
+        packed = time.monotonic()
+        wait = backend.allreduce_start(buf, bucket.op, group, fanout)
+
+        def finish() -> None:
+            wait()
+            reduced = time.monotonic()
+            ops.scale_(buf, bucket.postscale)
+            ops.unpack(buf, [s.output for s in slots])
+            tl.bucket(backend.name, True, [s.request.key if s.request is not None else None for s in slots],
+                      start, packed, reduced, time.monotonic())
+
+        return finish
+
     def _start_direct(
         self, bucket: _Bucket, slot: _Slot, backend: Backend, group: Any, fanout: int
     ) -> Callable[[], None]:
         """Start the allreduce of one tensor in its own memory where possible; returns what finishes it."""
         ops, src, out = bucket.ops, slot.source, slot.output
+        tl = self.timeline
+        start = time.monotonic() if tl is not None else 0.0
         if ops.dtype_name(src) == bucket.compute_dtype and ops.is_contiguous(out):
             if out is not src:
                 ops.scaled_copy_(out, src, bucket.prescale)
@@ -303,6 +332,8 @@ class Executor:
             work = ops.cast_flat(src, bucket.compute_dtype, copy=True)
             ops.scale_(work, bucket.prescale)
         wait = backend.allreduce_start(work, bucket.op, group, fanout)
+        if tl is not None:
+            return self._traced_direct(tl, start, wait, bucket, slot, work, backend)
 
         def finish() -> None:
             wait()
@@ -312,7 +343,25 @@ class Executor:
 
         return finish
 
-    def _fusion_buffer(self, ops: ArrayOps, dtype: str, device: str, numel: int) -> Array:
+    def _traced_direct(
+        self, tl: Any, start: float, wait: Callable[[], None], bucket: _Bucket, slot: _Slot, work: Array,
+        backend: Backend,
+    ) -> Callable[[], None]:
+        """The finish of :meth:`_start_direct`, recording the reduction (from ``start``) in the timeline."""
+        ops, out = bucket.ops, slot.output
+
+        def finish() -> None:
+            wait()
+            reduced = time.monotonic()
+            ops.scale_(work, bucket.postscale)
+            if work is not out:
+                ops.copy_(out, work)
+            tl.bucket(backend.name, False, [slot.request.key if slot.request is not None else None],
+                      start, start, reduced, time.monotonic())
+
+        return finish
+
+    def _fusion_buffer(self, ops: ArrayOps, dtype: str, device: Any, numel: int) -> Array:
         key = (ops.family, dtype, device)
         buf = self._buffers.get(key)
         if buf is None or ops.numel(buf) < numel:
@@ -337,6 +386,7 @@ class Executor:
         members = pset.ranks
         ops, device = self._device(sig.device, request)
         results: list[Any] = []
+        started = time.monotonic() if self.timeline is not None else 0.0
         for i, (dtype, shape, _) in enumerate(sig.tensors):
             entry = request.entries[i] if request is not None else None
             if sig.kind == CollectiveType.ALLGATHER:
@@ -349,6 +399,8 @@ class Executor:
                 results.append(self._reducescatter(ops, sig, i, dtype, shape, entry, pset, backend, group))
             else:  # pragma: no cover - control requests are handled by the engine
                 raise AssertionError(f"unexpected collective {sig.kind}")
+        if self.timeline is not None:
+            self.timeline.single(backend.name, sig.kind, ready.name, started, time.monotonic())
         if request is not None:
             request.handle.set_result(results)
 

@@ -225,6 +225,30 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     return bool(removed)
 
 
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Record a timeline into ``file_path`` from now on (Horovod's ``hvd.start_timeline``).
+
+    Call it on every rank; rank 0 writes (every rank with
+    ``HORA_TIMELINE_ALL_RANKS=1``, each beside rank 0's file).  A recording
+    already running is closed first, as a complete JSON file.  See
+    :mod:`hora.core.timeline` for the format.
+
+    Raises:
+        NotInitializedError: before ``init()`` (a ``ValueError``, as in Horovod).
+        ConfigError: the file cannot be created.
+    """
+    from hora.core import timeline
+
+    timeline.start(current().engine, file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Stop the timeline recording and close its file as valid JSON (Horovod's ``hvd.stop_timeline``)."""
+    from hora.core import timeline
+
+    timeline.stop(current().engine)
+
+
 def mpi_built() -> bool:
     """True when mpi4py is importable (hora needs no compile step); MPI is not initialised."""
     from hora.core.backends.mpi import mpi_available

@@ -5,8 +5,6 @@ Scripts written for ``horovod.torch`` run unchanged with this import.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from hora.core import runtime as _runtime
@@ -81,20 +79,16 @@ def shutdown() -> None:
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Horovod's switch for recording a timeline from now on.
+    """Record a timeline into ``file_path`` from now on (see :func:`hora.core.runtime.start_timeline`).
 
-    hora does not write timelines yet, so this only warns (once per call
-    site); scripts that call it keep running.  Like Horovod, it raises
-    ``ValueError`` before ``init()``.
+    Like Horovod, it raises ``ValueError`` before ``init()``.
     """
-    _runtime.current()
-    warnings.warn(f"hora does not write timelines yet; start_timeline({file_path!r}) records nothing",
-                  stacklevel=2)
+    _runtime.start_timeline(file_path, mark_cycles)
 
 
 def stop_timeline() -> None:
-    """Horovod's switch for ending a timeline recording (a no-op in hora, see :func:`start_timeline`)."""
-    _runtime.current()
+    """Stop the timeline recording; its file is then complete JSON."""
+    _runtime.stop_timeline()
 
 
 def _topo():

@@ -1,0 +1,674 @@
+"""The timeline: a Chrome trace of what the engine did, in Horovod's format.
+
+Rank 0 (or every rank, with ``HORA_TIMELINE_ALL_RANKS``) writes a JSON array
+of trace events that ``chrome://tracing`` and Perfetto open.  As in Horovod
+each tensor is a "process" (``M`` metadata events name it), and each
+collective is two spans on it: ``NEGOTIATE_<OP>`` while the ranks become
+ready, with one instant per rank as it does, then ``<OP>`` with the
+activities nested in it (``QUEUE``, ``MEMCPY_IN_FUSION_BUFFER``, the
+backend's own ``MPI_ALLREDUCE`` / ``GLOO_ALLREDUCE`` / ``NCCL_ALLREDUCE`` ...,
+``MEMCPY_OUT_FUSION_BUFFER``); the event closing ``<OP>`` carries the dtype
+and shape.  ``CYCLE_START`` instants mark the rounds with ``mark_cycles``.
+
+What each phase means in hora:
+
+* ``NEGOTIATE_<OP>`` opens when the first rank is seen ready and closes in
+  the round that finds it ready on every rank.  The per-rank instants are
+  what this rank knows: its own request at the time it was submitted; a rank
+  that announced the name (a new name or changed shape) in that round; and,
+  from the summed readiness vector of a cached name, the ranks it implies
+  (all remaining ones when the count reaches the set's size, or the only
+  candidates left).  When the count cannot say *which* ranks became ready the
+  instant is named ``ready k/n`` instead of a rank number.  Another rank's
+  readiness is seen at the round that reports it, not earlier.
+* ``QUEUE``: from the end of negotiation until this tensor's fusion bucket
+  starts (it waits behind the round's earlier buckets).
+* ``MEMCPY_IN_FUSION_BUFFER`` / ``MEMCPY_OUT_FUSION_BUFFER``: packing into and
+  unpacking out of the fusion buffer (fused buckets only).
+* ``<BACKEND>_<OP>``: from starting the backend collective until it is done.
+
+Recording never blocks a collective: the engine appends a small tuple to a
+bounded queue and a writer thread formats and writes it.  When the queue is
+full the record is dropped and counted; the file gets a ``TIMELINE_DROPPED``
+instant with the count and the log says how many.  The disabled cost on the
+engine's path is one attribute check per round and per bucket.
+
+The file is valid JSON after every write: the writer appends each batch of
+events before a closing ``]`` it rewrites, so a reader sees a complete array
+after ``stop_timeline()``, a normal exit or SIGINT/SIGTERM (whose handlers
+drain the queue first, then hand the signal to whatever handler was there).
+A SIGKILL in the middle of a write can leave the last line cut off; every
+event is on its own line, so :func:`load` (which ``hora timeline`` uses)
+reads everything up to the last complete event, and Chrome itself accepts an
+array without its ``]``.
+
+With a size cap (``HORA_TIMELINE_MAX_MB``) the writer stops recording when the
+file reaches it, closing it with a ``TIMELINE_STOPPED`` instant, or with
+``HORA_TIMELINE_ROTATE=1`` moves the full file to ``<name>.1.json``,
+``<name>.2.json``... and starts a fresh one under the original name; either
+way it logs what it did.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hora.core.ops import CollectiveType
+from hora.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+
+#: Records the engine puts on the queue (the first element of each tuple).
+_CYCLE, _NEG_START, _NEG_RANK, _NEG_END, _BUCKET, _SINGLE = range(6)
+
+#: Control requests that never appear in a timeline.
+_HIDDEN = frozenset({CollectiveType.JOIN, CollectiveType.ADD_PROCESS_SET, CollectiveType.REMOVE_PROCESS_SET})
+
+#: The backend activity's suffix per collective (Horovod's spellings: MPI_BCAST, not MPI_BROADCAST).
+_ACTIVITY = {
+    CollectiveType.ALLREDUCE: "ALLREDUCE",
+    CollectiveType.ALLGATHER: "ALLGATHER",
+    CollectiveType.BROADCAST: "BCAST",
+    CollectiveType.ALLTOALL: "ALLTOALL",
+    CollectiveType.REDUCESCATTER: "REDUCESCATTER",
+    CollectiveType.BARRIER: "BARRIER",
+}
+
+QUEUE = "QUEUE"
+MEMCPY_IN = "MEMCPY_IN_FUSION_BUFFER"
+MEMCPY_OUT = "MEMCPY_OUT_FUSION_BUFFER"
+
+
+def rank_path(path: str | os.PathLike, rank: int) -> str:
+    """Where ``rank`` writes its timeline: ``path`` itself for rank 0, ``<stem>.rank<r><suffix>`` beside it else."""
+    p = Path(path)
+    if rank == 0:
+        return str(p)
+    return str(p.with_name(f"{p.stem}.rank{rank}{p.suffix}"))
+
+
+def display_name(kind: CollectiveType, name: str) -> str:
+    """A tensor's name in the trace, Horovod's way: ``allreduce.<name>`` unless the name already says so."""
+    prefix = kind.label + "."
+    return name if name.startswith(prefix) else prefix + name
+
+
+class Timeline:
+    """One timeline recording: the engine's recorder and the writer thread behind it.
+
+    The engine calls :meth:`cycle`, :meth:`observe_round`, :meth:`bucket` and
+    :meth:`single` from whichever thread runs its round (never two at once);
+    they only append to a bounded queue.  :meth:`close` drains the queue,
+    closes the array and stops the writer; it is safe to call twice and from a
+    signal handler.
+
+    Args:
+        path: the file to write (created or truncated).
+        rank: this process's rank (named in log messages).
+        mark_cycles: record a ``CYCLE_START`` instant per engine round.
+        max_bytes: stop (or rotate) when the file reaches this size; 0: no cap.
+        rotate: at the cap, move the file aside and start a new one instead of stopping.
+        queue_events: records the queue holds before new ones are dropped.
+        flush_interval_s: how often the writer wakes to write what is queued.
+        on_stop: called (from the writer thread) when the size cap stops the recording.
+
+    Raises:
+        ConfigError: the file cannot be created, naming the path.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        rank: int = 0,
+        mark_cycles: bool = False,
+        max_bytes: int = 0,
+        rotate: bool = False,
+        queue_events: int = 1 << 16,
+        flush_interval_s: float = 0.05,
+        on_stop: Callable[[], None] | None = None,
+    ) -> None:
+        if queue_events < 1:
+            raise ConfigError(f"HORA_TIMELINE_QUEUE={queue_events} must be at least 1")
+        self.path = str(path)
+        self.rank = rank
+        self.mark_cycles = mark_cycles
+        self.max_bytes = max_bytes
+        self.rotate = rotate
+        self.capacity = queue_events
+        self.dropped = 0  # records dropped because the queue was full (engine thread only)
+        self.rotations = 0
+        self._queue: collections.deque = collections.deque()
+        self._interval = flush_interval_s
+        self._on_stop = on_stop
+        self._t0 = time.monotonic()
+        self._epoch_us = int(time.time() * 1e6)
+        # negotiation state, engine thread only: name -> [start, known ready ranks, last count]
+        self._negotiating: dict[str, list] = {}
+        self._labels: dict[str, tuple[str, str]] = {}  # name -> (display name, OP)
+        # writer state
+        self._pids: dict[str, int] = {}
+        self._open: dict[int, int] = {}  # pid -> spans open in the file
+        self._written_drops = 0
+        self._ops_open: dict[str, tuple[float, Any]] = {}  # name -> (op start, signature)
+        self._file = None
+        self._body_end = 0
+        self._events = 0
+        self._closed = threading.Event()
+        self._stopped = False
+        self._wake = threading.Event()
+        self._write_lock = threading.Lock()
+        self._open_file()
+        self._thread = threading.Thread(target=self._writer, name=f"hora-timeline-{rank}", daemon=True)
+        self._thread.start()
+        log.info("timeline: rank %d records to %s", rank, self.path)
+
+    # ------------------------------------------------------------- recording
+    def put(self, record: tuple) -> None:
+        """Queue one record; drop and count it when the queue is full (never blocks)."""
+        q = self._queue
+        if len(q) < self.capacity:
+            q.append(record)
+        else:
+            self.dropped += 1
+
+    def cycle(self, at: float) -> None:
+        """A round started at ``at`` (``time.monotonic()``)."""
+        self.put((_CYCLE, at))
+
+    def observe_round(
+        self,
+        at: float,
+        pending: Mapping[str, Any],
+        cache: Any,
+        totals: Sequence[int],
+        header: int,
+        announcements: Sequence[Mapping[str, bytes]] | None,
+        members: Mapping[int, Sequence[int]],
+        ready: Iterable[Any],
+    ) -> None:
+        """Record what one negotiation round showed: who became ready, what is ready everywhere.
+
+        Args:
+            at: when the round's negotiation finished (``time.monotonic()``).
+            pending: this rank's pending requests by negotiated name.
+            cache: the engine's :class:`~hora.core.negotiation.NameCache`.
+            totals: the summed readiness vector.
+            header: index of the first cached id's slot in ``totals``.
+            announcements: per rank, the names announced this round (None without a second phase).
+            members: process-set id -> its ranks.
+            ready: the round's :class:`~hora.core.negotiation.Ready` list.
+        """
+        neg = self._negotiating
+        seen: dict[str, int] = {}  # name -> ranks ready this round, from the cached ids
+        by_id = cache.by_id
+        counts = totals[header:]
+        for i in (counts.nonzero()[0].tolist() if hasattr(counts, "nonzero") else
+                  [i for i, c in enumerate(counts) if c]):
+            if i < len(by_id):
+                seen[by_id[i].name] = int(counts[i])
+        announced: dict[str, set[int]] = {}
+        for r, ann in enumerate(announcements or ()):
+            for name in ann:
+                announced.setdefault(name, set()).add(r)
+                if name not in self._labels:
+                    self._label_from_signature(name, ann[name])
+        for name, req in pending.items():
+            if name not in neg and req.kind not in _HIDDEN:
+                self._label(name, req.kind)
+                self._start(name, req.submitted_at)
+        for name, count in seen.items():
+            entry = cache.by_name.get(name)
+            if entry is None:
+                continue
+            if name not in self._labels and not self._label_from_entry(name, entry):
+                continue
+            self._progress(name, at, count + len(announced.get(name, ())), announced.get(name, set()),
+                           members.get(entry.process_set, ()), name in pending, pending)
+        for name, ranks in announced.items():
+            if name in seen or name not in self._labels:
+                continue
+            entry = cache.by_name.get(name)
+            pset = entry.process_set if entry is not None else 0
+            self._progress(name, at, len(ranks), ranks, members.get(pset, ()), name in pending, pending)
+        for r in ready:
+            state = neg.pop(r.name, None)
+            if state is None:
+                continue
+            error = None if r.error is None else str(r.error)
+            self.put((_NEG_END, r.name, at, r, error))
+
+    def _start(self, name: str, at: float) -> None:
+        self._negotiating[name] = [at, set(), 0]
+        self.put((_NEG_START, name, at))
+
+    def _progress(self, name: str, at: float, count: int, announced: set[int], ranks: Sequence[int],
+                  mine: bool, pending: Mapping[str, Any]) -> None:
+        if self.rank not in ranks:
+            return  # another process set's collective: this rank never runs it
+        state = self._negotiating.get(name)
+        if state is None:
+            state = [at, set(), 0]
+            self._negotiating[name] = state
+            self.put((_NEG_START, name, at))
+        known: set[int] = state[1]
+        if mine and self.rank not in known:
+            known.add(self.rank)
+            self.put((_NEG_RANK, name, pending[name].submitted_at, str(self.rank)))
+        for r in sorted(announced - known):
+            known.add(r)
+            self.put((_NEG_RANK, name, at, str(r)))
+        if count <= state[2]:
+            return
+        state[2] = count
+        unknown = [r for r in ranks if r not in known and (r != self.rank or mine)]
+        if len(unknown) == count - len(known):
+            for r in unknown:
+                known.add(r)
+                self.put((_NEG_RANK, name, at, str(r)))
+        elif count > len(known):
+            self.put((_NEG_RANK, name, at, f"ready {count}/{len(ranks)}"))
+
+    def _label(self, name: str, kind: CollectiveType) -> None:
+        if name not in self._labels:
+            self._labels[name] = (display_name(kind, name), kind.name)
+
+    def _label_from_signature(self, name: str, raw: bytes) -> bool:
+        from hora.core.negotiation import Signature
+
+        kind = Signature.decode(raw).kind
+        if kind in _HIDDEN:
+            return False
+        self._label(name, kind)
+        return True
+
+    def _label_from_entry(self, name: str, entry: Any) -> bool:
+        if entry.ready is not None:
+            kind = entry.ready.first().kind
+            if kind in _HIDDEN:
+                return False
+            self._label(name, kind)
+            return True
+        raw = next((s for s in entry.signatures if s is not None), None)
+        return raw is not None and self._label_from_signature(name, raw)
+
+    def bucket(self, backend: str, fused: bool, names: list[str | None], start: float, packed: float,
+               reduced: float, done: float) -> None:
+        """One allreduce bucket: the tensors in it and when it was packed, reduced and unpacked."""
+        self.put((_BUCKET, backend, fused, names, start, packed, reduced, done))
+
+    def single(self, backend: str, kind: CollectiveType, name: str, start: float, done: float) -> None:
+        """One allgather, broadcast, alltoall or reducescatter: when its backend call started and ended."""
+        self.put((_SINGLE, backend, kind, name, start, done))
+
+    # ---------------------------------------------------------------- writer
+    def _open_file(self) -> None:
+        try:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "wb")  # noqa: SIM115 - the writer thread owns it until close()
+        except OSError as e:
+            raise ConfigError(f"cannot write the timeline to {self.path}: {e}; set HORA_TIMELINE "
+                              "(--timeline-filename) to a writable path") from e
+        head = [
+            {"name": "process_name", "ph": "M", "pid": 0,
+             "args": {"start_time_since_epoch_in_micros": self._epoch_us}},
+            {"name": "process_sort_index", "ph": "M", "pid": 0, "args": {"sort_index": 0}},
+        ]
+        self._pids = {}
+        self._open = {}
+        self._body_end = 0
+        self._events = 0
+        self._file.write(b"[\n")
+        self._body_end = 2
+        self._append([json.dumps(e) for e in head])
+
+    def _append(self, lines: list[str]) -> None:
+        """Write event lines before the closing bracket, leaving a valid array behind."""
+        if not lines:
+            return
+        f = self._file
+        data = (",\n" if self._events else "") + ",\n".join(lines)
+        f.seek(self._body_end)
+        f.write(data.encode())
+        self._body_end = f.tell()
+        f.write(b"\n]\n")
+        f.truncate()
+        f.flush()
+        self._events += len(lines)
+
+    def _us(self, t: float) -> int:
+        return int((t - self._t0) * 1e6)
+
+    def _pid(self, name: str, lines: list[str]) -> int:
+        pid = self._pids.get(name)
+        if pid is None:
+            pid = len(self._pids) + 1
+            self._pids[name] = pid
+            shown = self._labels.get(name, (name, ""))[0]
+            shown = json.dumps(shown)
+            lines.append(f'{{"name": "process_name", "ph": "M", "pid": {pid}, "args": {{"name": {shown}}}}}')
+            lines.append(f'{{"name": "process_sort_index", "ph": "M", "pid": {pid}, "args": {{"sort_index": {pid}}}}}')
+        return pid
+
+    def _begin(self, lines: list[str], pid: int, what: str, t: float) -> None:
+        lines.append(f'{{"ph": "B", "name": "{what}", "ts": {self._us(t)}, "pid": {pid}}}')
+        self._open[pid] = self._open.get(pid, 0) + 1
+
+    def _end(self, lines: list[str], pid: int, t: float, args: str = "") -> None:
+        if not self._open.get(pid):
+            return  # its B went to an earlier file or was dropped
+        self._open[pid] -= 1
+        lines.append(f'{{"ph": "E", "ts": {self._us(t)}, "pid": {pid}{args}}}')
+
+    def _format(self, rec: tuple, lines: list[str]) -> None:
+        code = rec[0]
+        if code == _CYCLE:
+            lines.append(f'{{"ph": "i", "name": "CYCLE_START", "ts": {self._us(rec[1])}, "s": "g"}}')
+        elif code == _NEG_START:
+            _, name, at = rec
+            pid = self._pid(name, lines)
+            self._begin(lines, pid, "NEGOTIATE_" + self._labels.get(name, (name, "UNKNOWN"))[1], at)
+        elif code == _NEG_RANK:
+            _, name, at, who = rec
+            pid = self._pid(name, lines)
+            lines.append(f'{{"ph": "X", "name": {json.dumps(who)}, "ts": {self._us(at)}, "pid": {pid}, "dur": 0}}')
+        elif code == _NEG_END:
+            _, name, at, ready, error = rec
+            pid = self._pid(name, lines)
+            if error is not None:
+                self._end(lines, pid, at, f', "args": {{"error": {json.dumps(error)}}}')
+                return
+            self._end(lines, pid, at)
+            sig = ready.first()
+            self._begin(lines, pid, sig.kind.name, at)
+            self._ops_open[name] = (at, sig)
+            if sig.kind == CollectiveType.BARRIER:
+                self._close_op(lines, name, pid, at)
+        elif code == _BUCKET:
+            _, backend, fused, names, start, packed, reduced, done = rec
+            activity = f"{backend.upper()}_ALLREDUCE"
+            for name in dict.fromkeys(names):
+                if name is None:
+                    continue
+                pid = self._pid(name, lines)
+                op = self._ops_open.get(name)
+                queued = op[0] if op is not None else start
+                self._begin(lines, pid, QUEUE, queued)
+                self._end(lines, pid, start)
+                if fused:
+                    self._begin(lines, pid, MEMCPY_IN, start)
+                    self._end(lines, pid, packed)
+                self._begin(lines, pid, activity, packed)
+                self._end(lines, pid, reduced)
+                if fused:
+                    self._begin(lines, pid, MEMCPY_OUT, reduced)
+                    self._end(lines, pid, done)
+                self._close_op(lines, name, pid, done)
+        elif code == _SINGLE:
+            _, backend, kind, name, start, done = rec
+            pid = self._pid(name, lines)
+            op = self._ops_open.get(name)
+            if op is not None:
+                self._begin(lines, pid, QUEUE, op[0])
+                self._end(lines, pid, start)
+            self._begin(lines, pid, f"{backend.upper()}_{_ACTIVITY.get(kind, kind.name)}", start)
+            self._end(lines, pid, done)
+            self._close_op(lines, name, pid, done)
+
+    def _close_op(self, lines: list[str], name: str, pid: int, at: float) -> None:
+        op = self._ops_open.pop(name, None)
+        if op is None:
+            return
+        tensors = op[1].tensors
+        if len(tensors) == 1:
+            dtype, shape = tensors[0][0], str(list(tensors[0][1]))
+        else:
+            dtype, shape = ",".join(t[0] for t in tensors), str([list(t[1]) for t in tensors])
+        self._end(lines, pid, at, f', "args": {{"dtype": {json.dumps(dtype)}, "shape": {json.dumps(shape)}}}')
+
+    def _writer(self) -> None:
+        while True:
+            self._wake.wait(self._interval)
+            self._wake.clear()
+            finishing = self._closed.is_set()
+            try:
+                self._drain()
+            except OSError as e:
+                log.error("timeline: writing %s failed (%s); the recording stops here", self.path, e)
+                self._stop_recording()
+            if finishing:
+                return
+
+    def _drain(self) -> None:
+        with self._write_lock:
+            if self._file is None:
+                self._queue.clear()
+                return
+            q = self._queue
+            lines: list[str] = []
+            while q:
+                rec = q.popleft()
+                if not self._stopped:
+                    self._format(rec, lines)
+            if self._stopped:
+                return
+            dropped = self.dropped
+            if dropped != self._written_drops:
+                if self._written_drops == 0:
+                    log.warning("timeline: the queue of %d records was full; dropping records (raise "
+                                "HORA_TIMELINE_QUEUE, or mark fewer cycles)", self.capacity)
+                lines.append(f'{{"ph": "i", "name": "TIMELINE_DROPPED", "ts": {self._us(time.monotonic())}, '
+                             f'"s": "g", "args": {{"records": {dropped - self._written_drops}}}}}')
+                self._written_drops = dropped
+            self._append(lines)
+            if self.max_bytes and self._body_end >= self.max_bytes:
+                self._at_cap()
+
+    def _at_cap(self) -> None:
+        mb = self.max_bytes / MiB
+        if not self.rotate:
+            self._append([f'{{"ph": "i", "name": "TIMELINE_STOPPED", "ts": {self._us(time.monotonic())}, "s": "g", '
+                          f'"args": {{"reason": "size cap HORA_TIMELINE_MAX_MB={mb:g} reached"}}}}'])
+            log.warning("timeline: %s reached HORA_TIMELINE_MAX_MB=%g; recording stopped (set "
+                        "HORA_TIMELINE_ROTATE=1 to continue in a new file)", self.path, mb)
+            self._stop_recording()
+            return
+        self._close_spans(time.monotonic())
+        self._file.close()
+        self.rotations += 1
+        p = Path(self.path)
+        moved = p.with_name(f"{p.stem}.{self.rotations}{p.suffix}")
+        os.replace(p, moved)
+        log.warning("timeline: %s reached HORA_TIMELINE_MAX_MB=%g; moved it to %s and started a new file",
+                    self.path, mb, moved)
+        self._open_file()
+
+    def _close_spans(self, at: float) -> None:
+        """End every span still open, so the file nests cleanly when it is closed."""
+        lines: list[str] = []
+        for pid, n in list(self._open.items()):
+            for _ in range(n):
+                self._end(lines, pid, at)
+        self._append(lines)
+
+    def _stop_recording(self) -> None:
+        self._stopped = True
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+            self._file = None
+        if self._on_stop is not None:
+            self._on_stop()
+
+    # ----------------------------------------------------------------- close
+    @property
+    def active(self) -> bool:
+        """True while the recording runs (not closed, not stopped by the cap or an error)."""
+        return not self._closed.is_set() and not self._stopped
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Write what is queued, close the array and stop the writer thread (idempotent)."""
+        first = not self._closed.is_set()
+        self._closed.set()
+        self._wake.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        if not first:
+            return
+        with self._write_lock:
+            if self._file is not None and not self._stopped:
+                try:
+                    self._close_spans(time.monotonic())
+                    self._file.close()
+                except OSError as e:
+                    log.error("timeline: closing %s failed: %s", self.path, e)
+                self._file = None
+        if self.dropped:
+            log.warning("timeline: %d records were dropped because the writer fell behind (see the "
+                        "TIMELINE_DROPPED instants in %s)", self.dropped, self.path)
+        log.info("timeline: rank %d closed %s", self.rank, self.path)
+
+
+# ------------------------------------------------------------------ signals
+_handlers_lock = threading.Lock()
+_live: set[Timeline] = set()
+_previous: dict[int, Any] = {}
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    for tl in list(_live):
+        tl.close(timeout=2.0)
+    previous = _previous.get(signum, signal.SIG_DFL)
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_DFL:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def watch_signals(timeline: Timeline) -> None:
+    """Close ``timeline`` cleanly on SIGINT and SIGTERM, then pass the signal on to the handler that was there.
+
+    Handlers can only be installed from the main thread; elsewhere this does
+    nothing (the file is still valid up to its last write).  The handlers are
+    put back by :func:`unwatch_signals` once no timeline is open, unless
+    someone installed their own in between.
+    """
+    with _handlers_lock:
+        _live.add(timeline)
+        if _previous or threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                current = signal.getsignal(sig)
+                if current is signal.SIG_IGN:
+                    continue
+                _previous[sig] = current
+                signal.signal(sig, _on_signal)
+            except (ValueError, OSError) as e:  # not the main interpreter, or an odd platform
+                log.debug("timeline: cannot watch signal %s: %s", sig, e)
+
+
+def unwatch_signals(timeline: Timeline) -> None:
+    """Forget ``timeline``; restore the previous handlers when it was the last one open."""
+    with _handlers_lock:
+        _live.discard(timeline)
+        if _live or not _previous or threading.current_thread() is not threading.main_thread():
+            return
+        for sig, previous in list(_previous.items()):
+            try:
+                if signal.getsignal(sig) is _on_signal:
+                    signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+            except (ValueError, OSError):
+                pass
+        _previous.clear()
+
+
+# ------------------------------------------------------------------ reading
+def load(path: str | os.PathLike) -> list[dict]:
+    """Read a timeline file, tolerating a missing ``]`` or a cut-off last line (a killed writer).
+
+    Returns:
+        The events up to the last complete one.
+
+    Raises:
+        ConfigError: the file is not a timeline at all (no opening ``[``).
+    """
+    text = Path(path).read_text(errors="replace")
+    try:
+        events = json.loads(text)
+        if isinstance(events, list):
+            return events
+    except json.JSONDecodeError:
+        pass
+    stripped = text.lstrip()
+    if not stripped.startswith("["):
+        raise ConfigError(f"{path} is not a timeline (a JSON array of trace events)")
+    events = []
+    for line in stripped[1:].splitlines():
+        line = line.strip().rstrip(",")
+        if not line or line == "]":
+            continue
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # the cut-off end of a killed writer
+    return events
+
+
+# ------------------------------------------------------------ engine control
+def start(engine: Any, path: str | os.PathLike, mark_cycles: bool = False) -> Timeline | None:
+    """Start recording ``engine`` into ``path`` (rank 0 only, unless ``HORA_TIMELINE_ALL_RANKS`` is set).
+
+    What the engine recorded before goes on to close in its own file; the new
+    file starts with the next round.  Starting the file already being written
+    changes nothing.  Every rank may call this (as Horovod's
+    ``hvd.start_timeline`` is called); the ranks that do not write return None.
+
+    Raises:
+        ConfigError: the file cannot be created.
+    """
+    config = engine.config
+    if engine.rank != 0 and not config.timeline_all_ranks:
+        return None
+    target = rank_path(path, engine.rank)
+    current = engine.timeline
+    if current is not None and current.path == target and current.active:
+        current.mark_cycles = mark_cycles
+        return current
+
+    def detach() -> None:
+        if engine.timeline is tl:
+            engine.set_timeline(None)
+
+    tl = Timeline(
+        target, rank=engine.rank, mark_cycles=mark_cycles, max_bytes=int(config.timeline_max_mb * MiB),
+        rotate=config.timeline_rotate, queue_events=config.timeline_queue, on_stop=detach,
+    )
+    previous = engine.set_timeline(tl)
+    if previous is not None:
+        previous.close()
+        unwatch_signals(previous)
+    watch_signals(tl)
+    return tl
+
+
+def stop(engine: Any) -> None:
+    """Stop recording ``engine``: write what is queued and close the file as a complete JSON array."""
+    previous = engine.set_timeline(None)
+    if previous is not None:
+        previous.close()
+        unwatch_signals(previous)

@@ -1,0 +1,188 @@
+"""The timeline writer on its own: the format, a full queue, the size cap, signals, and reading a cut-off file."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from hora.core import timeline as tlmod
+from hora.core.negotiation import HEADER, NameCache, Ready, Signature
+from hora.core.ops import CollectiveType, ReduceOp
+from hora.core.timeline import Timeline, load, rank_path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def sig(kind=CollectiveType.ALLREDUCE, shape=(4,), dtype="float32"):
+    return Signature(kind, ((dtype, tuple(shape), ()),), ReduceOp.SUM, -1, 1.0, 1.0, 0, "cpu")
+
+
+def events_of(path):
+    with open(path) as f:
+        return json.load(f)  # strict: the file must be complete JSON
+
+
+def test_rank_path_and_display_name():
+    assert rank_path("/x/tl.json", 0) == "/x/tl.json"
+    assert rank_path("/x/tl.json", 3) == "/x/tl.rank3.json"
+    assert tlmod.display_name(CollectiveType.ALLREDUCE, "w") == "allreduce.w"
+    assert tlmod.display_name(CollectiveType.ALLREDUCE, "allreduce.noname.1") == "allreduce.noname.1"
+
+
+def test_one_collective_gives_horovods_spans(tmp_path):
+    """A name seen in two rounds: negotiation with an instant per rank, then the op with its activities."""
+    path = tmp_path / "tl.json"
+    tl = Timeline(path, rank=0, mark_cycles=True, flush_interval_s=0.01)
+    cache = NameCache(16)
+    s = sig()
+    ready = Ready("w", 0, [s, s])
+    cache.remember("w", 0, [s.encode(), s.encode()], ready)
+    pending = {"w": SimpleNamespace(kind=CollectiveType.ALLREDUCE, submitted_at=time.monotonic())}
+    members = {0: (0, 1)}
+    t = time.monotonic()
+    tl.cycle(t)
+    # round 1: only rank 0 marked it; round 2: both did
+    tl.observe_round(t + 0.001, pending, cache, np.array([0, 0, 0, 1]), HEADER, None, members, [])
+    tl.observe_round(t + 0.002, pending, cache, np.array([0, 0, 0, 2]), HEADER, None, members, [ready])
+    tl.bucket("mpi", True, ["w"], t + 0.003, t + 0.004, t + 0.005, t + 0.006)
+    tl.close()
+    ev = events_of(path)
+    assert ev[0]["args"]["start_time_since_epoch_in_micros"] > 0
+    assert {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "allreduce.w"}} in ev
+    spans = [(e["ph"], e.get("name")) for e in ev if e.get("pid") == 1 and e["ph"] != "M"]
+    assert spans == [
+        ("B", "NEGOTIATE_ALLREDUCE"), ("X", "0"), ("X", "1"), ("E", None),
+        ("B", "ALLREDUCE"), ("B", "QUEUE"), ("E", None), ("B", "MEMCPY_IN_FUSION_BUFFER"), ("E", None),
+        ("B", "MPI_ALLREDUCE"), ("E", None), ("B", "MEMCPY_OUT_FUSION_BUFFER"), ("E", None), ("E", None),
+    ]
+    closing = [e for e in ev if e.get("pid") == 1][-1]
+    assert closing["args"] == {"dtype": "float32", "shape": "[4]"}
+    assert any(e.get("name") == "CYCLE_START" and e["ph"] == "i" for e in ev)
+
+
+def test_readiness_that_the_counts_cannot_attribute_is_named_by_count(tmp_path):
+    """Four ranks, rank 0 not ready, two of three others ready: the count cannot say which two."""
+    path = tmp_path / "tl.json"
+    tl = Timeline(path, rank=0, flush_interval_s=0.01)
+    cache = NameCache(16)
+    s = sig()
+    cache.remember("w", 0, [s.encode()] * 4, Ready("w", 0, [s] * 4))
+    tl.observe_round(time.monotonic(), {}, cache, np.array([0, 0, 0, 2]), HEADER, None, {0: (0, 1, 2, 3)}, [])
+    tl.close()
+    assert [e["name"] for e in events_of(path) if e["ph"] == "X"] == ["ready 2/4"]
+
+
+def test_a_full_queue_drops_records_and_never_blocks(tmp_path):
+    path = tmp_path / "tl.json"
+    tl = Timeline(path, rank=0, mark_cycles=True, queue_events=100, flush_interval_s=60)  # the writer sleeps
+    start = time.perf_counter()
+    for _ in range(100_000):
+        tl.cycle(time.monotonic())
+    elapsed = time.perf_counter() - start
+    assert tl.dropped == 100_000 - 100
+    assert elapsed < 2.0, f"recording 100k records with a full queue took {elapsed:.2f} s"
+    tl.close()
+    ev = events_of(path)
+    assert sum(e.get("name") == "CYCLE_START" for e in ev) == 100
+    assert [e["args"]["records"] for e in ev if e.get("name") == "TIMELINE_DROPPED"] == [99_900]
+
+
+def fill(tl, batches=40, per_batch=200):
+    for _ in range(batches):
+        for _ in range(per_batch):
+            tl.cycle(time.monotonic())
+        time.sleep(0.01)
+
+
+def test_size_cap_stops_and_says_so(tmp_path, caplog):
+    path = tmp_path / "tl.json"
+    stopped = []
+    tl = Timeline(path, rank=0, max_bytes=20_000, flush_interval_s=0.005, on_stop=lambda: stopped.append(1))
+    fill(tl)
+    time.sleep(0.05)
+    assert not tl.active and stopped == [1]
+    tl.close()
+    ev = events_of(path)
+    assert ev[-1]["name"] == "TIMELINE_STOPPED" and "HORA_TIMELINE_MAX_MB" in ev[-1]["args"]["reason"]
+    assert os.path.getsize(path) < 20_000 + 200 * 80  # at most one batch past the cap
+    assert "recording stopped" in caplog.text
+
+
+def test_size_cap_rotates_into_numbered_files(tmp_path, caplog):
+    path = tmp_path / "tl.json"
+    tl = Timeline(path, rank=0, max_bytes=20_000, rotate=True, flush_interval_s=0.005)
+    fill(tl)
+    tl.close()
+    parts = sorted(tmp_path.glob("tl.*.json"))
+    assert len(parts) >= 2 and tl.rotations == len(parts)
+    for part in [*parts, path]:
+        ev = events_of(part)
+        assert ev[0]["name"] == "process_name"  # every part opens like a timeline
+    assert "started a new file" in caplog.text
+
+
+def test_load_reads_a_file_cut_off_by_sigkill(tmp_path):
+    path = tmp_path / "tl.json"
+    tl = Timeline(path, rank=0, mark_cycles=True, flush_interval_s=0.01)
+    for _ in range(10):
+        tl.cycle(time.monotonic())
+    tl.close()
+    text = path.read_text()
+    cut = text[: text.rindex("}") - 5]  # the last event half written, no closing bracket
+    path.write_text(cut)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(cut)
+    assert sum(e.get("name") == "CYCLE_START" for e in load(path)) == 9
+
+
+SIGNAL_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    from hora.core.timeline import Timeline, watch_signals
+    chained = sys.argv[2] == "chained"
+    if chained:
+        def mine(signum, frame):
+            open(sys.argv[1] + ".handler", "w").write(str(signum))
+            sys.exit(3)
+        signal.signal(signal.SIGTERM, mine)
+    tl = Timeline(sys.argv[1], rank=0, mark_cycles=True, flush_interval_s=60)
+    watch_signals(tl)
+    for _ in range(50):
+        tl.cycle(time.monotonic())
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(10)
+    sys.exit(0)
+""")
+
+
+@pytest.mark.parametrize("mode", ["default", "chained"])
+def test_sigterm_leaves_valid_json_and_reaches_the_previous_handler(tmp_path, mode):
+    """The queue (50 records the sleeping writer never wrote) is drained, then the signal goes on:
+    to the default action (the process dies of SIGTERM) or to the handler the program had."""
+    path = tmp_path / "tl.json"
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_SCRIPT, str(path), mode], cwd=ROOT, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+    if mode == "default":
+        assert proc.returncode == -signal.SIGTERM, proc.stderr
+    else:
+        assert proc.returncode == 3, proc.stderr
+        assert Path(str(path) + ".handler").read_text() == str(int(signal.SIGTERM))
+    assert sum(e.get("name") == "CYCLE_START" for e in events_of(path)) == 50
+
+
+def test_unwritable_path_is_a_config_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    from hora.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="HORA_TIMELINE"):
+        Timeline(blocker / "tl.json")
