@@ -1,8 +1,8 @@
 """The launcher: ``hora run`` and ``hora.run(fn)``.
 
-Both build a :class:`LaunchConfig` and call :func:`launch`; see
-:mod:`hora.runner.env` for the environment contract between the launcher and
-the workers.
+Both build a :class:`LaunchConfig` and call :func:`launch`; the environment
+contract between the launcher and the workers is :mod:`hora.envvars`
+(filled in by :mod:`hora.runner.env`).
 """
 
 from __future__ import annotations
