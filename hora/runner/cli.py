@@ -91,7 +91,15 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     tune.add_argument("--cycle-time-ms", dest="cycle_time_ms", type=float, metavar="MS",
                       help="engine cycle time in milliseconds")
     tune.add_argument("--timeline-filename", dest="timeline_filename", metavar="FILE",
-                      help="write a timeline of engine activity to FILE")
+                      help="write a timeline of engine activity to FILE (Chrome trace; summarize it with "
+                           "`hora timeline FILE`)")
+    tune.add_argument("--timeline-mark-cycles", dest="timeline_mark_cycles", action="store_true",
+                      help="mark every engine cycle in the timeline (HORA_TIMELINE_MARK_CYCLES=1)")
+    tune.add_argument("--autotune", action="store_true",
+                      help="tune the fusion threshold, cycle time, direct threshold and overlap while the "
+                           "job runs (HORA_AUTOTUNE=1)")
+    tune.add_argument("--autotune-log-file", dest="autotune_log_file", metavar="FILE",
+                      help="with --autotune: write every trial and the chosen settings to this CSV file")
 
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments ('--' optional)")
 
@@ -143,7 +151,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         output_filename=args.output_filename,
         start_timeout=args.start_timeout,
         network_interface=args.network_interface or os.environ.get(envvars.DMLC_INTERFACE) or None,
-        env=parse_env_flags(args.env),
+        env={**_tuning_env(args), **parse_env_flags(args.env)},
         mpi_args=shlex.split(args.mpi_args) if args.mpi_args else (),
         verbose=args.verbose,
         ssh_port=args.ssh_port,
@@ -152,6 +160,20 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         ssh_connect_timeout=args.ssh_connect_timeout,
         sync_dst_dir=args.sync_dst_dir,
     )
+
+
+def _tuning_env(args: argparse.Namespace) -> dict[str, str]:
+    """The worker variables of the timeline and autotune flags."""
+    env: dict[str, str] = {}
+    if getattr(args, "timeline_mark_cycles", False):
+        env[envvars.HORA_TIMELINE_MARK_CYCLES] = "1"
+    if getattr(args, "autotune", False):
+        env[envvars.HORA_AUTOTUNE] = "1"
+    if getattr(args, "autotune_log_file", None):
+        if not args.autotune:
+            raise ConfigError("--autotune-log-file needs --autotune")
+        env[envvars.HORA_AUTOTUNE_LOG] = os.path.abspath(args.autotune_log_file)
+    return env
 
 
 def parse_env_flags(items: Sequence[str]) -> dict[str, str]:
