@@ -39,6 +39,15 @@ class MismatchError(HoraError, ValueError):
     """
 
 
+class ArgumentError(HoraError, ValueError):
+    """A collective was called with arguments it cannot take (splits that do not fit the tensor, ...).
+
+    Both a ``ValueError`` and, through :class:`HoraError`, a ``RuntimeError``:
+    Horovod raises such errors from its C++ core as ``RuntimeError`` (MXNet:
+    ``MXNetError``), and scripts catch either.
+    """
+
+
 class DuplicateNameError(HoraError, ValueError):
     """A collective was submitted under a name whose earlier collective the program has not yet waited for."""
 

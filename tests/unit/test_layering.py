@@ -23,6 +23,8 @@ FORBIDDEN = {
                      "hora.cli"),
     "hora/torch": ("hora.runner", "hora.keras", "hora.mxnet", "hora.bench", "hora.testing", "hora.cli"),
     "hora/runner": ("hora.bench", "hora.testing", "hora.cli", "hora.kvstore", "hora.core"),
+    "hora/mxnet": ("hora.torch", "hora.keras", "hora.tensorflow", "hora.runner", "hora.bench", "hora.testing",
+                   "hora.cli", "hora.core.backends"),
     "hora/bench": ("hora.cli",),
     "hora/testing": tuple(p for p in _ABOVE_FLOOR if p != "hora.testing"),
     "hora/errors.py": ("hora.config", "hora.envvars", *_ABOVE_FLOOR),
@@ -120,6 +122,13 @@ def test_bindings_do_not_touch_backends():
     bad = [f"{f.relative_to(PKG.parent)} imports {n}" for f in _files("hora/torch") for n in _imports(f)
            if n.startswith("hora.core.backends")]
     assert not bad, "\n".join(bad)
+
+
+def test_mxnet_binding_imports_no_other_framework():
+    """hora.mxnet runs in a venv without torch: no file of it imports torch, tensorflow or keras, anywhere."""
+    bad = [f"{f.relative_to(PKG.parent)} imports {n}" for f in _files("hora/mxnet") for n in _imports(f)
+           if _matches(n, ("torch", "tensorflow", "keras"))]
+    assert _files("hora/mxnet") and not bad, "\n".join(bad)
 
 
 def test_import_hora_is_light():

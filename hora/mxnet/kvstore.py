@@ -1,0 +1,275 @@
+"""hora's stores in MXNet's own KVStore registry, so ``gluon.Trainer`` and ``Module`` can use them.
+
+Importing :mod:`hora.mxnet` registers, with ``mx.kvstore.KVStoreBase.register``:
+
+==================  ===============================================================================
+``hora``            sums across ranks with hora's allreduce engine, no servers (what MXNet's own
+                    ``horovod`` entry does).  ``gluon.Trainer(..., kvstore=mx.kv.create('hora'))``
+                    then trains data-parallel; the optimizer runs on every worker.
+``hora_dist_sync``  hora's parameter servers (``hora run -n W -s S``), MXNet ``dist_sync``
+                    semantics: a server merges every worker's push of a key, then runs the
+                    optimizer that ``gluon.Trainer`` sends it.
+``hora_dist_async`` the same servers with ``dist_async`` semantics: every push is applied on arrival.
+==================  ===============================================================================
+
+MXNet's Trainer drops a store given by a name without ``dist`` when the
+process has a single device, so pass ``mx.kv.create('hora')`` rather than the
+string ``'hora'``; the two server-backed names work as strings
+(``kvstore='hora_dist_sync'``) as well.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import mxnet as mx
+import numpy as np
+
+from hora.core import runtime
+from hora.core.ops import ReduceOp
+from hora.errors import ConfigError
+from hora.mxnet import mpi_ops
+from hora.mxnet.buffers import check_ndarray, copy_into, on_host, read_view, write_view
+
+log = logging.getLogger(__name__)
+
+KVStoreBase = mx.kvstore.KVStoreBase
+
+#: the names this module registers, with the hora.kvstore type behind each server-backed one.
+NAMES = {"hora": "dist_sync_allreduce", "hora_dist_sync": "dist_sync", "hora_dist_async": "dist_async"}
+
+
+def _as_list(value: Any) -> list[mx.nd.NDArray]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _pairs(key: Any, value: Any) -> list[tuple[Any, list[mx.nd.NDArray]]]:
+    """MXNet's call forms (a key or a list of keys; per key an array or a list of arrays) as (key, arrays)."""
+    if isinstance(key, (list, tuple)):
+        if not isinstance(value, (list, tuple)) or len(value) != len(key):
+            raise ConfigError(f"{len(key)} keys need one value (or list of values) each")
+        return [(k, _as_list(v)) for k, v in zip(key, value, strict=True)]
+    return [(key, _as_list(value))]
+
+
+def _local_sum(arrays: list[mx.nd.NDArray]) -> mx.nd.NDArray:
+    """The per-process sum of one key's values (one per device), on the first value's context."""
+    if len(arrays) == 1:
+        return arrays[0]
+    ctx = arrays[0].context
+    return mx.nd.add_n(*[a.as_in_context(ctx) for a in arrays])
+
+
+class HoraAllreduceStore(KVStoreBase):
+    """The ``hora`` store: ``pushpull`` sums the values over all ranks with the engine's allreduce.
+
+    Created by ``mx.kv.create('hora')``; starts hora (``hvd.init()``) when
+    it is not running.  No optimizer runs in the store
+    (``is_capable('optimizer')`` is False), so ``gluon.Trainer`` updates on
+    every worker with the summed gradients: pass ``step()`` the global batch
+    size (per-rank batch × ``num_workers``) to average.
+    """
+
+    def __init__(self) -> None:
+        runtime.init()
+
+    def broadcast(self, key: Any, value: mx.nd.NDArray, out: Any, priority: int = 0) -> None:
+        """Rank 0's ``value`` of ``key`` into every array of ``out``, on every rank."""
+        src = check_ndarray(value, "broadcast").copy()
+        mpi_ops.broadcast_(src, 0, name=f"hora.kv.broadcast.{key}")
+        for o in _as_list(out):
+            src.copyto(o)
+
+    def pushpull(self, key: Any, value: Any, out: Any = None, priority: int = 0) -> None:
+        """Sum ``value`` (per key: one array or one per device) over all ranks into ``out``, or into ``value``."""
+        pairs = _pairs(key, value)
+        outs = [v for _, v in pairs] if out is None else [o for _, o in _pairs(key, out)]
+        tensors = []
+        for _, arrays in pairs:
+            total = _local_sum(arrays)
+            # Reduce in the caller's array only when it is also where the result goes.
+            tensors.append(total.copy() if total is arrays[0] and out is not None else total)
+        # One grouped allreduce per call: the keys are negotiated and fused together.
+        mpi_ops.grouped_allreduce_(tensors, op=ReduceOp.SUM, name="hora.kv." + ",".join(str(k) for k, _ in pairs))
+        for summed, targets in zip(tensors, outs, strict=True):
+            for t in targets:
+                if t is not summed:
+                    summed.copyto(t)
+
+    def set_optimizer(self, optimizer: Any) -> None:
+        raise ConfigError("the 'hora' KVStore runs no optimizer (is_capable('optimizer') is False): let "
+                          "gluon.Trainer update on the workers (update_on_kvstore=False), or use 'hora_dist_sync' "
+                          "for an optimizer on parameter servers")
+
+    @staticmethod
+    def is_capable(capability: str) -> bool:
+        if capability.lower() == KVStoreBase.OPTIMIZER:
+            return False
+        raise ValueError(f"unknown capability: {capability}")
+
+    @property
+    def type(self) -> str:
+        return "hora"
+
+    @property
+    def rank(self) -> int:
+        return runtime.current().engine.rank
+
+    @property
+    def num_workers(self) -> int:
+        return runtime.current().engine.size
+
+    def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
+        raise ConfigError("the 'hora' KVStore holds no optimizer state; use gluon.Trainer.save_states")
+
+    def load_optimizer_states(self, fname: str) -> None:
+        raise ConfigError("the 'hora' KVStore holds no optimizer state; use gluon.Trainer.load_states")
+
+
+def hora_optimizer_of(optimizer: Any) -> Any:
+    """An ``mx.optimizer`` SGD or Adam as the equivalent :mod:`hora.kvstore.optimizer`, for the servers.
+
+    Raises:
+        ConfigError: another optimizer, or one with an ``lr_scheduler``,
+            which the servers cannot run; the message says what they take.
+    """
+    from hora.kvstore import optimizer as hopt
+
+    if hasattr(optimizer, "spec") and callable(optimizer.spec):
+        return optimizer  # already a hora optimizer
+    kind = type(optimizer).__name__.lower()
+    if kind not in ("sgd", "adam"):
+        raise ConfigError(f"hora's parameter servers run SGD or Adam, not mx.optimizer.{type(optimizer).__name__}; "
+                          "use 'sgd' or 'adam', or update on the workers with kvstore=mx.kv.create('hora')")
+    if getattr(optimizer, "lr_scheduler", None) is not None:
+        raise ConfigError("an mx.lr_scheduler cannot run on hora's parameter servers; pass a "
+                          "hora.kvstore.lr_scheduler through a hora.kvstore optimizer, or set the rate with "
+                          "trainer.set_learning_rate")
+    common = {"learning_rate": float(optimizer.lr), "wd": float(optimizer.wd),
+              "rescale_grad": float(optimizer.rescale_grad), "clip_gradient": optimizer.clip_gradient,
+              "multi_precision": bool(optimizer.multi_precision)}
+    if kind == "sgd":
+        return hopt.SGD(momentum=float(optimizer.momentum), lazy_update=bool(optimizer.lazy_update), **common)
+    return hopt.Adam(beta1=float(optimizer.beta1), beta2=float(optimizer.beta2), epsilon=float(optimizer.epsilon),
+                     lazy_update=bool(optimizer.lazy_update), **common)
+
+
+class _ServerStore(KVStoreBase):
+    """hora's parameter-server store (:mod:`hora.kvstore.dist`) behind MXNet's KVStore interface, on NDArrays."""
+
+    kv_type = ""
+
+    def __init__(self) -> None:
+        from hora.kvstore import create
+
+        self._store = create(NAMES[self.type])
+        self._optimizer: Any = None
+
+    @staticmethod
+    def _host(arrays: Sequence[mx.nd.NDArray]) -> list[np.ndarray]:
+        return [read_view(check_ndarray(a, "push")) for a in arrays]
+
+    def init(self, key: Any, value: Any) -> None:
+        """Store worker 0's value of each key on the servers (every worker calls it)."""
+        pairs = _pairs(key, value)
+        self._store.init([k for k, _ in pairs], [self._host(v[:1])[0] for _, v in pairs])
+
+    def push(self, key: Any, value: Any, priority: int = 0) -> None:
+        """Push values (several per key are summed first); returns once the data is copied."""
+        pairs = _pairs(key, value)
+        self._store.push([k for k, _ in pairs], [self._host(v) for _, v in pairs], priority)
+
+    def pull(self, key: Any, out: Any = None, priority: int = 0, ignore_sparse: bool = True) -> None:
+        """Copy the servers' values of each key into ``out``."""
+        pairs = _pairs(key, out)
+        views: list[list[np.ndarray]] = []
+        copies: list[tuple[mx.nd.NDArray, np.ndarray]] = []
+        for _, arrays in pairs:
+            row = []
+            for a in arrays:
+                if on_host(a):
+                    row.append(write_view(a))
+                else:
+                    staged = np.empty(a.shape, np.dtype(a.dtype))
+                    copies.append((a, staged))
+                    row.append(staged)
+            views.append(row)
+        self._store.pull([k for k, _ in pairs], views, priority)
+        for a, staged in copies:
+            copy_into(a, staged)
+
+    def broadcast(self, key: Any, value: Any, out: Any, priority: int = 0) -> None:
+        """Worker 0's ``value`` into ``out`` on every worker: ``init`` on the servers, then ``pull``."""
+        self.init(key, value)
+        self.pull(key, out, priority)
+
+    def pushpull(self, key: Any, value: Any, out: Any = None, priority: int = 0) -> None:
+        """Push ``value`` (gradients), then pull the servers' values (weights, with an optimizer) into ``out``."""
+        self.push(key, value, priority)
+        self.pull(key, value if out is None else out, priority)
+
+    def set_optimizer(self, optimizer: Any) -> None:
+        """Run ``optimizer`` (an ``mx.optimizer`` SGD/Adam, or a hora one) on the servers."""
+        self._optimizer = optimizer
+        self._store.set_optimizer(hora_optimizer_of(optimizer))
+
+    def set_gradient_compression(self, compression_params: dict[str, Any]) -> None:
+        """Compress pushes, e.g. ``{'type': '2bit', 'threshold': 0.5}``; the servers decode them."""
+        self._store.set_gradient_compression(compression_params)
+
+    def barrier(self) -> None:
+        """Wait until every worker reaches this point."""
+        self._store.barrier()
+
+    @staticmethod
+    def is_capable(capability: str) -> bool:
+        if capability.lower() == KVStoreBase.OPTIMIZER:
+            return True
+        raise ValueError(f"unknown capability: {capability}")
+
+    @property
+    def type(self) -> str:
+        return self.kv_type
+
+    @property
+    def rank(self) -> int:
+        return self._store.rank
+
+    @property
+    def num_workers(self) -> int:
+        return self._store.num_workers
+
+    def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
+        self._store.save_optimizer_states(fname, dump_optimizer)
+
+    def load_optimizer_states(self, fname: str) -> None:
+        self._store.load_optimizer_states(fname)
+
+    def close(self) -> None:
+        """Leave the parameter-server job (also done at exit)."""
+        self._store.close()
+
+
+class HoraDistSyncStore(_ServerStore):
+    """``hora_dist_sync``: MXNet's ``dist_sync`` on hora's parameter servers."""
+
+    kv_type = "hora_dist_sync"
+
+
+class HoraDistAsyncStore(_ServerStore):
+    """``hora_dist_async``: MXNet's ``dist_async`` on hora's parameter servers."""
+
+    kv_type = "hora_dist_async"
+
+
+def register() -> None:
+    """Register the stores under :data:`NAMES` in MXNet's registry (idempotent; done on import)."""
+    for name, cls in (("hora", HoraAllreduceStore), ("hora_dist_sync", HoraDistSyncStore),
+                      ("hora_dist_async", HoraDistAsyncStore)):
+        if KVStoreBase.kv_registry.get(name) is cls:
+            continue
+        # MXNet names a registered store after its class, lower-cased.
+        cls.__name__ = name
+        KVStoreBase.register(cls)

@@ -1,0 +1,209 @@
+"""Data-parallel training for MXNet: ``DistributedOptimizer`` (Module, custom loops) and ``DistributedTrainer`` (Gluon).
+
+Both average the gradients over the ranks of a process set with hora's
+allreduce, in place, before the wrapped optimizer updates the weights.  All
+gradients of one step are submitted before the first wait, so the engine
+negotiates them in one round and fuses the small ones into one backend call.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import mxnet as mx
+
+from hora.core.ops import ReduceOp
+from hora.core.request import Handle
+from hora.core.runtime import ProcessSet, global_process_set
+from hora.mxnet import mpi_ops
+from hora.mxnet.buffers import on_host
+from hora.mxnet.compression import Compression, NDArrayCompressor
+
+log = logging.getLogger(__name__)
+
+
+def split_list(items: Sequence[Any], groups: int) -> list[list[Any]]:
+    """``items`` cut into ``groups`` consecutive, nearly equal parts (the first ones one longer)."""
+    items = list(items)
+    groups = max(1, min(groups, len(items)))
+    size, extra = divmod(len(items), groups)
+    out, start = [], 0
+    for g in range(groups):
+        end = start + size + (1 if g < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
+def _check_predivide(factor: float) -> float:
+    factor = float(factor)
+    if factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be > 0, got {factor}")
+    return factor
+
+
+def allreduce_grads(grads: Sequence[mx.nd.NDArray], names: Sequence[str], num_groups: int, predivide: float,
+                    process_set: ProcessSet) -> None:
+    """Average ``grads`` over the process set in place: submit them all, then wait for all.
+
+    With ``num_groups > 0`` the gradients travel as that many grouped
+    allreduces (one negotiation each); otherwise one allreduce per gradient,
+    which the engine fuses by itself.  Gradients split the average as
+    ``1/predivide`` before the sum and ``predivide/size`` after it.
+    """
+    if not grads:
+        return
+    pending: list[tuple[Handle | None, list[mx.nd.NDArray]]] = []
+    if num_groups > 0:
+        batches = [(g, n) for g, n in zip(split_list(grads, num_groups), split_list(names, num_groups), strict=True)]
+        units = [(list(g), f"{n[0]}:{n[-1]}") for g, n in batches]
+    else:
+        units = [([g], n) for g, n in zip(grads, names, strict=True)]
+    for tensors, name in units:
+        if all(on_host(t) for t in tensors):
+            h = mpi_ops.allreduce_async_(tensors, ReduceOp.AVERAGE, name, 1.0 / predivide, predivide, process_set)
+            pending.append((h, tensors))
+        else:  # GPU arrays: the blocking path copies through the host
+            mpi_ops.grouped_allreduce_(tensors, name=name, op=ReduceOp.AVERAGE, prescale_factor=1.0 / predivide,
+                                       postscale_factor=predivide, process_set=process_set)
+    for h, _ in pending:
+        h.wait()
+
+
+def _set_size(process_set: ProcessSet) -> int:
+    size = process_set.size()
+    return 1 if size is None else size
+
+
+class DistributedOptimizer(mx.optimizer.Optimizer):
+    """An MXNet optimizer that averages every gradient over the ranks before the wrapped optimizer's update.
+
+    Use it with the Module API (``mod.fit(..., optimizer=hvd.DistributedOptimizer(opt))``,
+    ``kvstore=None``) or call ``update``/``update_multi_precision`` in a
+    custom loop.  Attributes not defined here are the wrapped optimizer's.
+
+    Args:
+        optimizer: the ``mx.optimizer.Optimizer`` that updates the weights.
+        gradient_predivide_factor: the average is split as ``1/f`` before the
+            sum and ``f/size`` after it.
+        num_groups: > 0 sends the gradients of a multi-index update as this
+            many grouped allreduces.
+        process_set: average over these ranks only; a rank outside the set
+            updates with its own gradients.
+    """
+
+    def __init__(self, optimizer: mx.optimizer.Optimizer, gradient_predivide_factor: float = 1.0,
+                 num_groups: int = 0, process_set: ProcessSet = global_process_set) -> None:
+        self._optimizer = optimizer
+        self._gradient_predivide_factor = _check_predivide(gradient_predivide_factor)
+        self._num_groups = int(num_groups)
+        self._process_set = process_set
+
+    _OWN = frozenset({"_optimizer", "_gradient_predivide_factor", "_num_groups", "_process_set"})
+
+    def __getattr__(self, item: str) -> Any:
+        if item.startswith("__") or item in self._OWN:
+            raise AttributeError(item)
+        return getattr(self._optimizer, item)
+
+    def __setattr__(self, item: str, value: Any) -> None:
+        # Module and Trainer set hyper-parameters (rescale_grad, idx2name...) on the optimizer they were
+        # given: they must land on the wrapped one, which does the update.
+        if item in self._OWN:
+            object.__setattr__(self, item, value)
+        else:
+            setattr(self._optimizer, item, value)
+
+    def create_state(self, index: Any, weight: mx.nd.NDArray) -> Any:
+        return self._optimizer.create_state(index, weight)
+
+    def create_state_multi_precision(self, index: Any, weight: mx.nd.NDArray) -> Any:
+        return self._optimizer.create_state_multi_precision(index, weight)
+
+    def _do_allreduce(self, index: Any, grad: Any) -> None:
+        if not self._process_set.included() or _set_size(self._process_set) == 1:
+            return
+        if isinstance(index, (tuple, list)):
+            grads, names = list(grad), [str(i) for i in index]
+        else:
+            grads, names = [grad], [str(index)]
+        allreduce_grads(grads, names, self._num_groups, self._gradient_predivide_factor, self._process_set)
+
+    def update(self, index: Any, weight: Any, grad: Any, state: Any) -> None:
+        """Average ``grad`` (one array, or a list matching a list of indices), then update ``weight``."""
+        self._do_allreduce(index, grad)
+        self._optimizer.update(index, weight, grad, state)
+
+    def update_multi_precision(self, index: Any, weight: Any, grad: Any, state: Any) -> None:
+        """As :meth:`update`, for the wrapped optimizer's multi-precision path."""
+        self._do_allreduce(index, grad)
+        self._optimizer.update_multi_precision(index, weight, grad, state)
+
+    def set_learning_rate(self, lr: float) -> None:
+        self._optimizer.set_learning_rate(lr)
+
+    def set_lr_mult(self, args_lr_mult: dict) -> None:
+        self._optimizer.set_lr_mult(args_lr_mult)
+
+    def set_wd_mult(self, args_wd_mult: dict) -> None:
+        self._optimizer.set_wd_mult(args_wd_mult)
+
+
+class DistributedTrainer(mx.gluon.Trainer):
+    """A ``gluon.Trainer`` whose ``step`` averages the gradients over the ranks with hora's allreduce.
+
+    It replaces the KVStore: pass it the parameters and optimizer a
+    ``gluon.Trainer`` would get; ``step(batch_size)`` takes the per-rank
+    batch size.
+
+    Args:
+        params: the parameters (``net.collect_params()``, a dict or a list).
+        optimizer: an optimizer name or ``mx.optimizer.Optimizer``.
+        optimizer_params: the optimizer's keyword arguments when ``optimizer`` is a name.
+        compression: ``hvd.Compression.fp16`` sends float gradients as float16.
+        gradient_predivide_factor: the average is split as ``1/f`` before the
+            sum and ``f/size`` after it.
+        prefix: distinguishes the tensor names when several trainers run in one program.
+        num_groups: > 0 sends the gradients as this many grouped allreduces.
+        process_set: average over these ranks only.
+    """
+
+    def __init__(self, params: Any, optimizer: Any, optimizer_params: dict | None = None,
+                 compression: type[NDArrayCompressor] = Compression.none, gradient_predivide_factor: float = 1.0,
+                 prefix: str | None = None, num_groups: int = 0,
+                 process_set: ProcessSet = global_process_set) -> None:
+        if isinstance(optimizer, DistributedOptimizer):
+            optimizer = optimizer._optimizer
+            warnings.warn("DistributedTrainer takes a plain optimizer, not a DistributedOptimizer; "
+                          "the wrapped optimizer is used", stacklevel=2)
+        if prefix is not None and not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
+        if isinstance(params, (list, tuple)):
+            params = sorted(params, key=lambda p: p.name)  # the same order on every rank
+        super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None)
+        self._compression = compression
+        self._gradient_predivide_factor = _check_predivide(gradient_predivide_factor)
+        self._prefix = prefix or ""
+        self._num_groups = int(num_groups)
+        self._process_set = process_set
+
+    def _allreduce_grads(self) -> None:
+        ps = self._process_set
+        if not ps.included() or _set_size(ps) == 1:
+            return
+        grads, names, restore = [], [], []
+        for i, param in enumerate(self._params):
+            if param.grad_req == "null":
+                continue
+            grad = param.list_grad()[0]
+            sent, ctx = self._compression.compress(grad)
+            grads.append(sent)
+            names.append(f"{self._prefix}{i}")
+            if sent is not grad:
+                restore.append((grad, sent, ctx))
+        allreduce_grads(grads, names, self._num_groups, self._gradient_predivide_factor, ps)
+        for grad, sent, ctx in restore:
+            grad[:] = self._compression.decompress(sent, ctx)
