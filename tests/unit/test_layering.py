@@ -13,19 +13,21 @@ PKG = Path(__file__).resolve().parents[2] / "hora"
 FRAMEWORKS = ("torch", "tensorflow", "keras", "mxnet")
 #: Every hora package or module above the errors/config/envvars floor.
 _ABOVE_FLOOR = ("hora.core", "hora.torch", "hora.keras", "hora.tensorflow", "hora.mxnet", "hora.kvstore",
-                "hora.runner", "hora.bench", "hora.testing", "hora.cli")
+                "hora.runner", "hora.bench", "hora.testing", "hora.cli", "hora.timeline_cli")
+#: The framework bindings; none imports another.
+_BINDINGS = ("hora.torch", "hora.tensorflow", "hora.keras", "hora.mxnet")
+#: The top of the stack: the commands and the benchmarks.
+_COMMANDS = ("hora.bench", "hora.testing", "hora.cli", "hora.timeline_cli")
 
 # package -> packages it must never import (anywhere in a file, function bodies included)
 FORBIDDEN = {
-    "hora/core": ("hora.torch", "hora.keras", "hora.mxnet", "hora.runner", "hora.kvstore", "hora.bench",
-                  "hora.testing", "hora.cli"),
-    "hora/kvstore": ("hora.torch", "hora.keras", "hora.mxnet", "hora.runner", "hora.bench", "hora.testing",
-                     "hora.cli"),
-    "hora/torch": ("hora.runner", "hora.keras", "hora.mxnet", "hora.bench", "hora.testing", "hora.cli"),
-    "hora/runner": ("hora.bench", "hora.testing", "hora.cli", "hora.kvstore", "hora.core"),
-    "hora/mxnet": ("hora.torch", "hora.keras", "hora.tensorflow", "hora.runner", "hora.bench", "hora.testing",
-                   "hora.cli", "hora.core.backends"),
-    "hora/bench": ("hora.cli",),
+    "hora/core": (*_BINDINGS, "hora.runner", "hora.kvstore", *_COMMANDS),
+    "hora/kvstore": (*_BINDINGS, "hora.runner", *_COMMANDS),
+    "hora/torch": (*(b for b in _BINDINGS if b != "hora.torch"), "hora.runner", *_COMMANDS),
+    "hora/tensorflow": (*(b for b in _BINDINGS if b != "hora.tensorflow"), "hora.runner", *_COMMANDS),
+    "hora/mxnet": (*(b for b in _BINDINGS if b != "hora.mxnet"), "hora.runner", *_COMMANDS),
+    "hora/runner": (*_COMMANDS, "hora.kvstore", "hora.core"),
+    "hora/bench": ("hora.cli", "hora.timeline_cli"),
     "hora/testing": tuple(p for p in _ABOVE_FLOOR if p != "hora.testing"),
     "hora/errors.py": ("hora.config", "hora.envvars", *_ABOVE_FLOOR),
     "hora/envvars.py": ("hora.config", *_ABOVE_FLOOR),
@@ -68,7 +70,7 @@ def _module_level_imports(path: Path) -> list[str]:
 
 def _files(target: str) -> list[Path]:
     p = PKG.parent / target
-    return [p] if p.is_file() else sorted(p.rglob("*.py"))
+    return [p] if p.is_file() else sorted(p.rglob("*.py"))  # a binding not written yet has no files
 
 
 def _matches(name: str, packages: tuple[str, ...]) -> bool:
@@ -90,6 +92,19 @@ def test_no_framework_at_import_time(target):
     bad = [f"{f.relative_to(PKG.parent)} imports {name}" for f in _files(target)
            for name in _module_level_imports(f) if _matches(name, FRAMEWORKS)]
     assert not bad, "a framework imported at module level:\n" + "\n".join(bad)
+
+
+#: binding -> the frameworks it may import (its own; Keras 3 runs on TensorFlow or torch).
+OWN_FRAMEWORKS = {"hora/torch": ("torch",), "hora/tensorflow": ("tensorflow", "keras"), "hora/mxnet": ("mxnet",),
+                  "hora/keras": ("keras", "tensorflow", "torch")}
+
+
+@pytest.mark.parametrize("binding", sorted(OWN_FRAMEWORKS))
+def test_a_binding_imports_only_its_own_framework(binding):
+    others = tuple(f for f in FRAMEWORKS if f not in OWN_FRAMEWORKS[binding])
+    bad = [f"{f.relative_to(PKG.parent)} imports {name}" for f in _files(binding) for name in _imports(f)
+           if _matches(name, others)]
+    assert not bad, "\n".join(bad)
 
 
 def test_importing_the_framework_neutral_layers_imports_no_framework():
