@@ -33,7 +33,8 @@ class Adapter:
 
     Attributes:
         to_buffer: a framework tensor as an engine buffer (a NumPy array or a
-            torch tensor), sharing memory where the framework allows.
+            torch tensor), sharing memory where the framework allows; ``None``
+            when the tensors are engine buffers already.
         from_buffer: an engine result back as a framework tensor; applied by
             ``Handle.wait()`` to every array in the result.  ``None`` keeps
             the engine's arrays.
@@ -41,7 +42,7 @@ class Adapter:
             stream synchronisation) before the engine's thread reads them.
     """
 
-    to_buffer: Callable[[Any], Array] = as_buffer
+    to_buffer: Callable[[Any], Array] | None = as_buffer
     from_buffer: Callable[[Array], Any] | None = None
     sync: Callable[[Sequence[Array]], None] | None = None
 
@@ -112,7 +113,8 @@ def submit(
     """
     rt = runtime.current()
     pset = process_set_id(process_set)
-    buffers = [adapter.to_buffer(t) for t in tensors]
+    convert = adapter.to_buffer
+    buffers = list(tensors) if convert is None else [convert(t) for t in tensors]
     ops = ops_for(buffers[0]) if buffers else NUMPY
     entries = _entries(kind, buffers, ops, splits, inplace, outputs)
     if kind in _CONTROL_KINDS:
@@ -147,7 +149,7 @@ def _entries(
         raise ValueError(f"{len(splits)} split lists given for {len(buffers)} tensors")
     entries = []
     for i, buf in enumerate(buffers):
-        if ops_for(buf) is not ops:
+        if i and ops_for(buf) is not ops:
             raise TypeError("the tensors of one grouped collective must all be of one kind (NumPy or torch)")
         if kind == CollectiveType.ALLREDUCE:
             out = buf if inplace else outputs[i] if outputs is not None else ops.empty_like(buf)

@@ -147,6 +147,11 @@ class Executor:
                 f"hora engine failed on rank {self.rank}: {type(e).__name__}: {e}. This usually means another "
                 "rank exited or crashed; look for the first error in the other ranks' output") from e
 
+    def set_thresholds(self, fusion_threshold_bytes: int, direct_threshold_bytes: int | None) -> None:
+        """Plan with new thresholds from now on (the engine drops the cached plans; see ``Engine.retune``)."""
+        self.fusion_threshold = fusion_threshold_bytes
+        self._direct_override = direct_threshold_bytes
+
     def _device(self, kind: str, request: Request | None) -> tuple[ArrayOps, Any]:
         """The family and device of this rank's tensors of device type ``kind`` (remembered for rounds it joins)."""
         if request is not None and request.entries:

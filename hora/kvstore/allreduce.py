@@ -172,7 +172,7 @@ def _torch_adapter() -> collectives.Adapter:
     """torch tensors pass as they are; CUDA ones after the current stream has written them."""
     from hora.core.buffers.torch_ops import wait_for_stream
 
-    return collectives.Adapter(to_buffer=lambda t: t, sync=wait_for_stream)
+    return collectives.Adapter(to_buffer=None, sync=wait_for_stream)
 
 
 __all__ = ["AllreduceKVStore"]

@@ -37,7 +37,7 @@ _SUPPORTED = {
 
 
 #: torch tensors are engine buffers already (CPU and CUDA, zero-copy); only CUDA needs a sync.
-TORCH_ADAPTER = Adapter(to_buffer=lambda t: t, sync=wait_for_stream)
+TORCH_ADAPTER = Adapter(to_buffer=None, sync=wait_for_stream)
 
 # Horovod hands out integer handles; keep the mapping to engine handles here.
 _handles: dict[int, tuple[Handle, Callable[[Any], Any]]] = {}

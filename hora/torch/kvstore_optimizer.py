@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from hora.errors import ConfigError, HoraError
-from hora.torch.optimizer import _WrappedOptimizer, parameter_names
+from hora.torch.optimizer_base import WrappedOptimizer, parameter_names
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def server_optimizer_from_torch(optimizer: torch.optim.Optimizer, num_workers: i
                       "to update on the workers")
 
 
-class _KVStoreOptimizer(_WrappedOptimizer):
+class KVStoreOptimizer(WrappedOptimizer):
     """Wraps a torch optimizer; gradients go through a KVStore.  See :func:`DistributedOptimizer`."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Iterable | None, kvstore: Any,

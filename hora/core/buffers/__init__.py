@@ -41,8 +41,9 @@ class ArrayOps(abc.ABC):
     """What the engine does to buffers of one family.
 
     Every method works on arrays of this family only.  ``dtype`` arguments
-    are names from :data:`ITEMSIZE`; ``device`` arguments are strings such as
-    ``cpu`` or ``cuda:1``.
+    are names from :data:`ITEMSIZE`; ``device`` arguments are what
+    :meth:`device` returns for the family (hashable: ``"cpu"`` for NumPy, a
+    ``torch.device`` for torch).
     """
 
     family: str = "?"
@@ -57,12 +58,12 @@ class ArrayOps(abc.ABC):
         """The shape as a tuple of ints."""
 
     @abc.abstractmethod
-    def device(self, a: Array) -> str:
-        """Where the array lives: ``cpu``, ``cuda:0`` ..."""
+    def device(self, a: Array) -> Any:
+        """Where the array lives, as the family's own hashable placement (``cpu``, ``cuda:0`` ...)."""
 
+    @abc.abstractmethod
     def device_type(self, a: Array) -> str:
         """``cpu`` or ``cuda``: the kind of backend that must move the array."""
-        return self.device(a).split(":", 1)[0]
 
     @abc.abstractmethod
     def numel(self, a: Array) -> int:
@@ -78,11 +79,11 @@ class ArrayOps(abc.ABC):
 
     # --- making arrays -------------------------------------------------------------------------
     @abc.abstractmethod
-    def empty(self, shape: Sequence[int], dtype: str, device: str) -> Array:
+    def empty(self, shape: Sequence[int], dtype: str, device: Any) -> Array:
         """A new uninitialised contiguous array."""
 
     @abc.abstractmethod
-    def zeros(self, shape: Sequence[int], dtype: str, device: str) -> Array:
+    def zeros(self, shape: Sequence[int], dtype: str, device: Any) -> Array:
         """A new array of zeros."""
 
     def empty_like(self, a: Array) -> Array:
@@ -151,13 +152,23 @@ class ArrayOps(abc.ABC):
         """Split the 1-D ``buf`` into consecutive pieces and copy each into its output."""
 
 
+_FAMILIES: dict[type, ArrayOps] = {}
+
+
 def ops_for(a: Array) -> ArrayOps:
-    """The operations for ``a``'s family.
+    """The operations for ``a``'s family (looked up once per Python type).
 
     Raises:
         TypeError: ``a`` is of no family the engine knows; the message says
             which types are accepted.
     """
+    ops = _FAMILIES.get(type(a))
+    if ops is None:
+        ops = _FAMILIES[type(a)] = _family_of(a)
+    return ops
+
+
+def _family_of(a: Array) -> ArrayOps:
     if isinstance(a, np.ndarray):
         from hora.core.buffers.numpy_ops import NUMPY
 

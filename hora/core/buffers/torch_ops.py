@@ -42,8 +42,8 @@ class TorchOps(ArrayOps):
     def shape(self, a: Array) -> tuple[int, ...]:
         return tuple(a.shape)
 
-    def device(self, a: Array) -> str:
-        return str(a.device)
+    def device(self, a: Array) -> torch.device:
+        return a.device
 
     def device_type(self, a: Array) -> str:
         return a.device.type
