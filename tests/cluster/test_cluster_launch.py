@@ -17,11 +17,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import REPO, clean_env
 
 pytestmark = pytest.mark.netns
 
 SCRIPTS = Path(__file__).parent / "scripts"
+REPO = Path(__file__).resolve().parents[2]
 PS_SUM = Path(__file__).parents[1] / "runner" / "scripts" / "ps_sum.py"
 CLEAN = {"h1": [], "h2": [], "h3": []}
 
@@ -251,14 +251,14 @@ def test_mxnet_hostfile_spreads_workers_and_dist_sync_servers_across_hosts(clust
     assert "[server 0]<stderr>:" in result.stderr and "[scheduler]<stderr>:" in result.stderr
 
 
-def test_hand_started_ranks_on_two_hosts_need_no_interface(cluster):
+def test_hand_started_ranks_on_two_hosts_need_no_interface(cluster, job_env):
     """torchrun-style environment on h1 and h2, no GLOO_SOCKET_IFNAME: gloo finds the route to rank 0 itself."""
     h1 = cluster.host("h1")
     procs = []
     for rank, host in enumerate(("h1", "h2")):
-        env = clean_env({"HORA_RANK": str(rank), "HORA_SIZE": "2", "HORA_LOCAL_RANK": "0", "HORA_LOCAL_SIZE": "1",
-                         "HORA_CROSS_RANK": str(rank), "HORA_CROSS_SIZE": "2", "HORA_CONTROLLER": "gloo",
-                         "HORA_RENDEZVOUS_ADDR": h1.addr, "HORA_RENDEZVOUS_PORT": "29511"})
+        env = {**job_env, "HORA_RANK": str(rank), "HORA_SIZE": "2", "HORA_LOCAL_RANK": "0", "HORA_LOCAL_SIZE": "1",
+               "HORA_CROSS_RANK": str(rank), "HORA_CROSS_SIZE": "2", "HORA_CONTROLLER": "gloo",
+               "HORA_RENDEZVOUS_ADDR": h1.addr, "HORA_RENDEZVOUS_PORT": "29511"}
         procs.append(cluster.popen(host, [sys.executable, "-m", "hora.runner.check"], env=env, cwd=str(REPO),
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
