@@ -55,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations per size")
     p.add_argument("--backend", choices=("gloo", "mpi"), default="gloo", help="hora controller of the workers")
     p.add_argument("--no-mxnet", action="store_true", help="skip the MXNet peer")
+    p.add_argument("--no-allreduce", action="store_true", help="skip hora's dist_sync_allreduce row")
     p.add_argument("--mxnet-venv", type=Path, default=Path(os.environ.get("HORA_MXNET_VENV", DEFAULT_VENV)),
                    help="venv of the MXNet peer (created by setup.sh when missing)")
     p.add_argument("--link", default="auto", help="link rate for the cost model ('auto': loopback measured)")
@@ -141,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += mx
             raw_mxnet.append(raw)
     config = hkv.KVStoreConfig(sizes=args.size_list, workers=args.workers, servers=args.server_list,
-                               allreduce=True, backend=args.backend, iters=args.iters, warmup=args.warmup)
+                               allreduce=not args.no_allreduce, backend=args.backend, iters=args.iters,
+                               warmup=args.warmup)
     rows += hkv.run(config, options, model, skipped)
     hkv.add_comparisons(rows)
     print(f"\n{args.workers} workers on localhost; cost model: {model.bandwidth_bps / 1e9:.3g} Gbit/s loopback, "

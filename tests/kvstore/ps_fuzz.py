@@ -1,7 +1,9 @@
 """The fuzz worker: thousands of bad frames at a live server, then proof that nothing changed.
 
 It joins a one-worker job as a real worker, stores known values, and then
-opens a second, raw connection to the server (and one to the scheduler) to
+opens a second, raw connection to the server (and one to the scheduler),
+authenticated at the handshake with the job's credentials as any holder of
+the secret could (an outsider does not get this far: see ps_attack.py), to
 send forged, truncated and malformed messages: random bytes, flipped bits in
 signed messages, missing and extra frames, and correctly signed messages
 whose header is garbage, has an unknown command, wrong field types, a bad
@@ -26,7 +28,7 @@ import zmq
 
 import hora.kvstore as kvs
 from hora.errors import PSError
-from hora.kvstore.ps import shm, wire
+from hora.kvstore.ps import secure, shm, wire
 from hora.kvstore.ps.client import SCHEDULER
 from hora.kvstore.ps.wire import Cmd
 
@@ -155,12 +157,13 @@ def fuzz(rounds: str) -> None:
     kv.init(list(VALUES), list(VALUES.values()))
     rng = random.Random(1234)
     ctx = zmq.Context()
+    creds = secure.credentials(client.key, client.config.encrypt)
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(client.server_addrs[0])
+    secure.secure_connect(raw, creds, client.server_addrs[0])
     sched = ctx.socket(zmq.DEALER)
     sched.setsockopt(zmq.LINGER, 0)
-    sched.connect(client.link.endpoint)
+    secure.secure_connect(sched, creds, client.link.endpoint)
     sent = 0
     for _ in range(int(rounds)):
         for frames in bad_messages(client.key, client.id, "s0", rng):

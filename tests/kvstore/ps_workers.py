@@ -336,6 +336,49 @@ def shm_status() -> None:
     print("CHECKED 1", flush=True)
 
 
+def steady(stop_file: str, min_rounds: str, max_s: str) -> None:
+    """Exact dist_sync rounds until ``stop_file`` exists (at least ``min_rounds``, at most ``max_s`` seconds):
+    every pull is the exact sum of the round's pushes, and a key nobody pushes keeps its initial value.
+    Rank 0 decides when to stop and the workers agree through a key, so all run the same rounds.  The
+    attack tests run hostile peers meanwhile."""
+    kv = kvs.create("dist_sync")
+    rank, workers = kv.rank, kv.num_workers
+    sizes = {"small": 50, "big": 3000}
+    kv.init(list(sizes), [np.zeros(n, np.float32) for n in sizes.values()])
+    frozen = np.arange(700, dtype=np.float32) * 0.5
+    kv.init("frozen", frozen)
+    kv.init("stop", np.zeros(1, np.float32))
+    print("READY", flush=True)
+    checked, rounds, t0 = 0, 0, time.monotonic()
+    while True:
+        if time.monotonic() - t0 > float(max_s):
+            raise AssertionError(f"{stop_file} did not appear within {max_s} s")
+        stop = rank == 0 and rounds >= int(min_rounds) and os.path.exists(stop_file)
+        kv.push("stop", np.full(1, float(stop), np.float32))
+        flag = np.empty(1, np.float32)
+        kv.pull("stop", out=flag)
+        if flag[0] > 0:
+            break
+        for key, n in sizes.items():
+            kv.push(key, np.arange(n, dtype=np.float32) + 100 * rank + rounds)
+        for key, n in sizes.items():
+            out = np.empty(n, np.float32)
+            kv.pull(key, out=out)
+            want = sum(np.arange(n, dtype=np.float32) + 100 * r + rounds for r in range(workers))
+            np.testing.assert_array_equal(out, want, err_msg=f"key {key} round {rounds}")
+            checked += 1
+        out = np.empty(700, np.float32)
+        kv.pull("frozen", out=out)
+        np.testing.assert_array_equal(out, frozen, err_msg=f"key frozen round {rounds}")
+        checked += 1
+        rounds += 1
+        time.sleep(0.01)
+    kv.barrier()
+    kv.close()
+    print("ROUNDS", rounds, flush=True)
+    print("CHECKED", checked, flush=True)
+
+
 def join_only() -> None:
     """Try to join; print what creating the store raised."""
     t0 = time.monotonic()
@@ -349,6 +392,9 @@ def join_only() -> None:
 
 
 if __name__ == "__main__":
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung worker's stacks, for debugging a test
     if sys.argv[1] == "fuzz":
         from ps_fuzz import fuzz
 

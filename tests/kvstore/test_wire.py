@@ -139,12 +139,24 @@ def test_wrong_array_count_for_the_command():
                               (np.zeros(2),)), KEY)
 
 
-def test_reject_is_recognised_only_in_its_own_shape():
-    assert wire.peek_reject(wire.encode_reject("bad secret")) == "bad secret"
-    assert wire.peek_reject(frames_of()) is None
-    assert wire.peek_reject([b"\xc1", b""]) is None
-    assert wire.peek_cmd(frames_of()) == Cmd.PUSH
-    assert wire.peek_cmd([b"garbage"]) is None
+def test_no_header_is_parsed_before_its_mac_verifies(monkeypatch):
+    """A large hostile header with a bad MAC costs a hash, never a msgpack decode (issue 19)."""
+    def unpack(*args, **kwargs):
+        raise AssertionError("msgpack.unpackb ran on an unauthenticated header")
+
+    header = msgpack.packb(list(range(1_000_000)))
+    monkeypatch.setattr(wire.msgpack, "unpackb", unpack)
+    with pytest.raises(WireError, match="bad HMAC"):
+        wire.decode([header, b"\0" * wire.MAC_BYTES], KEY)
+    assert not hasattr(wire, "peek_cmd")
+
+
+def test_too_many_arrays_cannot_be_sent_or_received():
+    with pytest.raises(ValueError, match="at most"):
+        wire.encode({"c": int(Cmd.REPLY), "s": "s0", "d": "w0", "i": 1, "e": ""},
+                    [np.zeros(1)] * (wire.MAX_FRAMES - 1), KEY)
+    with pytest.raises(WireError, match="frames"):
+        wire.decode([b"h"] * (wire.MAX_FRAMES + 1), KEY)
 
 
 def test_shared_memory_reference_replaces_the_payload_frame():

@@ -30,10 +30,10 @@ import numpy as np
 import zmq
 
 from hora.config import PSConfig
-from hora.errors import HoraError, PeerLostError, PSError
-from hora.kvstore.ps import shm, wire
+from hora.errors import ConfigError, HoraError, PeerLostError, PSError
+from hora.kvstore.ps import secure, shm, wire
 from hora.kvstore.ps.link import SCHEDULER_ID, SchedulerLink, lost_error
-from hora.kvstore.ps.net import DropLog, Wakeup, job_key, make_socket, send
+from hora.kvstore.ps.net import DropLog, Receiver, Wakeup, job_key, make_socket, send
 from hora.kvstore.ps.wire import Cmd, Message, WireError
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ SCHEDULER = -1  # ``dst`` of requests to the scheduler; servers are 0..S-1
 _BYTES_PER_S = 10e6  # resend allowance for a large request's time on the wire: a 100 Mbit/s link
 _INLINE_BYTES = 64 * 1024  # smaller replies are verified on the network thread itself
 _PUSH_BUFFERS = 2  # shared-memory push segments per key and server: one in flight while the next is filled
+_TURN_FRAMES = 1 << 16  # frames read from one server per loop turn
 
 
 class Pending:
@@ -116,9 +117,13 @@ class Client:
         self.server_addrs: list[str] = [str(a) for a in welcome["servers"]]
         self.nodes: dict[str, str] = {str(k): str(v) for k, v in welcome["nodes"].items()}
         self.servers = []
+        creds = secure.credentials(self.key, config.encrypt)
         for addr in self.server_addrs:
-            sock = make_socket(self.ctx, zmq.DEALER, identity=self.id.encode())
-            sock.connect(addr)
+            # Replies answer this worker's own requests, from servers that proved the job's credentials:
+            # their number is bounded by the requests in flight, so the queue is not.
+            sock = make_socket(self.ctx, zmq.DEALER, identity=self.id.encode(),
+                               max_bytes=max(config.max_frame_bytes, wire.MAX_HEADER) + 64)
+            secure.secure_connect(sock, creds, addr)
             self.servers.append(sock)
         self._lock = threading.Lock()
         self._next_id = 1
@@ -130,6 +135,8 @@ class Client:
         self._stop = False
         self._closed = False
         self.drops = DropLog(f"worker {self.rank}")
+        self._receivers = [Receiver(sock, wire.MAX_FRAMES, self.drops, f"server {j}")
+                           for j, sock in enumerate(self.servers)]
         self.shm_token = shm.job_token(self.key, self.link.endpoint)
         self.shm_ok = [False] * len(self.servers)  # per server: shares memory with this worker
         self.mapped = shm.Mappings(self.shm_token)  # the servers' value segments
@@ -255,7 +262,13 @@ class Client:
 
         Raises:
             HoraError: the job already failed, or the store is closed.
+            ConfigError: an array is larger than ``HORA_PS_MAX_FRAME_BYTES``.
         """
+        too_big = [a.nbytes for a in arrays if a.nbytes > self.config.max_frame_bytes]
+        if too_big:
+            raise ConfigError(f"{cmd.name}: an array of {max(too_big)} bytes exceeds HORA_PS_MAX_FRAME_BYTES="
+                              f"{self.config.max_frame_bytes}, the largest frame a server accepts; raise it on "
+                              "every role")
         with self._lock:
             if not force:
                 self.check()
@@ -321,14 +334,12 @@ class Client:
             while not self._stop:
                 events = dict(poller.poll(tick_ms))
                 if self.link.sock in events:
-                    while self.link.sock.poll(0):
-                        msg = self.link.receive(self.link.sock.recv_multipart(copy=False))
-                        if msg is not None:
-                            self._on_scheduler(msg)
+                    for msg in self.link.incoming():
+                        self._on_scheduler(msg)
                 for j, sock in enumerate(self.servers):
                     if sock in events:
-                        while sock.poll(0):
-                            self._on_server(j, sock.recv_multipart(copy=False))
+                        for frames in self._receivers[j].messages(_TURN_FRAMES):
+                            self._on_server(j, frames)
                 self._wake.clear()
                 now = time.monotonic()
                 if self._releases:

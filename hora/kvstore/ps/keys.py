@@ -44,8 +44,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import zmq
@@ -53,7 +53,6 @@ import zmq
 from hora.kvstore.ps.wire import Cmd
 
 if TYPE_CHECKING:
-    from hora.kvstore.ps.server import Server
     from hora.kvstore.ps.shm import Segment
 
 log = logging.getLogger(__name__)
@@ -227,10 +226,47 @@ def _combine(target: np.ndarray, grad: np.ndarray, op: Op, add: bool) -> None:
             future.result()
 
 
+class KeyHost(Protocol):
+    """What the key state machines need from the server that owns them (:class:`hora.kvstore.ps.server.Server`
+    implements it): the job's shape and updater, replies, buffers, and the backlog it bounds."""
+
+    sync: bool  # dist_sync (True) or dist_async
+    num_workers: int
+    departed: set[int]  # ranks of workers that closed their store
+    updater: Any  # the server-side optimizer, or None
+    decompressor: Any  # gradient decompression, or None
+
+    def reply(self, op: Op, *, error: str = "", arrays: Sequence[np.ndarray] = (),
+              digests: Sequence[bytes | None] | None = None, token: SendToken | None = None,
+              extra: dict[str, Any] | None = None) -> None:
+        """Answer ``op`` (from any thread)."""
+
+    def release(self, nbytes: int) -> None:
+        """Done with ``nbytes`` of request data counted in the backlog."""
+
+    def keep(self, array: np.ndarray) -> np.ndarray:
+        """A received array the key may keep as its value."""
+
+    def new_array(self, count: int, dtype: np.dtype) -> np.ndarray:
+        """A zeroed buffer for a value or a merge."""
+
+    def copy_array(self, array: np.ndarray) -> np.ndarray:
+        """A copy of a value, placed as :meth:`new_array` would place it."""
+
+    def answer_shared(self, k: KeyState, op: Op) -> bool:
+        """Answer a pull through shared memory; False when it must go through the socket."""
+
+    def digest(self, array: np.ndarray) -> bytes:
+        """The payload digest of a stored array."""
+
+    def worker_name(self, rank: int) -> str:
+        """How errors name worker ``rank``."""
+
+
 class Keys:
     """The key table of one server and the pool that runs its state machines."""
 
-    def __init__(self, server: Server, threads: int) -> None:
+    def __init__(self, server: KeyHost, threads: int) -> None:
         self.server = server
         self.table: dict[str, KeyState] = {}
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hora-ps-key")

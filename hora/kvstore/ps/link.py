@@ -13,19 +13,27 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
+import zmq.utils.monitor
 
 from hora.config import PSConfig
 from hora.errors import AuthError, PeerLostError, PSError
-from hora.kvstore.ps import wire
-from hora.kvstore.ps.net import DropLog, make_socket, scheduler_endpoint, send
+from hora.kvstore.ps import secure, wire
+from hora.kvstore.ps.net import DropLog, Receiver, make_socket, random_identity, scheduler_endpoint, send
 from hora.kvstore.ps.wire import Cmd, Message, WireError
 
 log = logging.getLogger(__name__)
 
 SCHEDULER_ID = "H"
+#: Frames of any message between the scheduler and a node: a header and a MAC (they carry no arrays).
+CONTROL_FRAMES = 2
+#: Largest frame between the scheduler and a node.
+CONTROL_BYTES = wire.MAX_HEADER + 64
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class SchedulerLink:
@@ -37,8 +45,11 @@ class SchedulerLink:
         self.key = key
         self.role = role
         self.endpoint = scheduler_endpoint(config)
-        self.sock = make_socket(ctx, zmq.DEALER)
-        self.sock.connect(self.endpoint)
+        self.creds = secure.credentials(key, config.encrypt)
+        # The scheduler only answers and heartbeats: a bounded queue holds far more than it ever sends at once.
+        self.sock = make_socket(ctx, zmq.DEALER, random_identity(role), rcvhwm=1000, max_bytes=CONTROL_BYTES)
+        self._monitor: zmq.Socket | None = self.sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        secure.secure_connect(self.sock, self.creds, self.endpoint)
         self.id = ""  # known after WELCOME
         self._register = {"c": int(Cmd.REGISTER), "s": "", "d": SCHEDULER_ID, "i": 0, "role": role,
                           "host": socket.gethostname(), "pid": os.getpid(), "addr": addr, "rank": rank_hint,
@@ -46,6 +57,7 @@ class SchedulerLink:
         self.last_recv = time.monotonic()
         self._last_beat = 0.0
         self.drops = DropLog(f"{role} link")
+        self.receiver = Receiver(self.sock, CONTROL_FRAMES, self.drops, "the scheduler")
 
     def send(self, header: dict[str, Any], arrays: tuple = ()) -> None:
         """Sign and send a message to the scheduler."""
@@ -55,9 +67,15 @@ class SchedulerLink:
         """Join the job and return the scheduler's WELCOME.
 
         Raises:
-            AuthError: the scheduler rejected our messages (a different job secret).
+            AuthError: the scheduler refused our handshake (a different job secret).
             PSError: the job did not start within the start timeout, or was aborted.
         """
+        try:
+            return self._join()
+        finally:
+            self._stop_monitor()
+
+    def _join(self) -> Message:
         cfg = self.config
         deadline = time.monotonic() + cfg.start_timeout_s
         heard = False
@@ -76,26 +94,46 @@ class SchedulerLink:
             if not heard and now >= next_register:
                 send(self.sock, wire.encode(self._register, (), self.key))
                 next_register = now + max(1.0, 2 * (cfg.heartbeat_s or 1.0))
+            self._check_handshake()
             if self.sock.poll(200):
-                msg = self.receive(self.sock.recv_multipart(copy=False), registering=True)
-                if msg is None:
-                    continue
-                heard = True
-                if msg.cmd is Cmd.WELCOME:
-                    self.id = msg["id"]
-                    return msg
-                if msg.cmd is Cmd.NODE_LOST:
-                    raise lost_error(msg)
+                for msg in self.incoming():
+                    heard = True
+                    if msg.cmd is Cmd.WELCOME:
+                        self.id = msg["id"]
+                        return msg
+                    if msg.cmd is Cmd.NODE_LOST:
+                        raise lost_error(msg)
 
-    def receive(self, frames: list, registering: bool = False) -> Message | None:
+    def _check_handshake(self) -> None:
+        """Raise when the scheduler refused our ZeroMQ handshake (libzmq would retry it forever, silently)."""
+        if self._monitor is None or not self._monitor.poll(0):
+            return
+        event = zmq.utils.monitor.recv_monitor_message(self._monitor)["event"]
+        how = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "our credentials were refused",
+               zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the security mechanisms differ"}.get(event, "the key differs")
+        raise AuthError(f"the scheduler at {self.endpoint} refused this {self.role}'s connection at the handshake "
+                        f"({how}). Every role of a job must have the same HORA_SECRET and the same HORA_PS_ENCRYPT "
+                        f"(this {self.role}: HORA_PS_ENCRYPT={int(self.config.encrypt)})")
+
+    def _stop_monitor(self) -> None:
+        if self._monitor is not None:
+            self.sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
+
+    def incoming(self, budget: int = 1024) -> Iterator[Message]:
+        """The valid messages from the scheduler that arrived (at most ``budget`` frames read; bad ones are
+        logged and dropped)."""
+        for frames in self.receiver.messages(budget):
+            msg = self.receive(frames)
+            if msg is not None:
+                yield msg
+
+    def receive(self, frames: list) -> Message | None:
         """Decode a message from the scheduler (None for a bad one, which is logged and dropped)."""
         try:
             msg = wire.decode(frames, self.key)
         except WireError as e:
-            reason = wire.peek_reject(frames) if registering else None
-            if reason is not None:
-                raise AuthError(f"the scheduler at {self.endpoint} rejected this {self.role}: {reason}. "
-                                "Every role of a job must have the same HORA_SECRET") from None
             self.drops.drop(e, "the scheduler")
             return None
         if msg["s"] != SCHEDULER_ID or (self.id and msg["d"] != self.id):
@@ -119,6 +157,7 @@ class SchedulerLink:
                                 f"nothing received for {silent:.1f} s (HORA_PS_TIMEOUT={self.config.timeout_s:g})")
 
     def close(self) -> None:
+        self._stop_monitor()
         self.sock.close()
 
 

@@ -14,7 +14,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import zmq
@@ -99,18 +99,31 @@ def scheduler_endpoint(config: PSConfig) -> str:
     return f"tcp://{resolve_host(config.root_uri)}:{config.root_port}"
 
 
-def make_socket(ctx: zmq.Context, kind: int, identity: bytes | None = None) -> zmq.Socket:
-    """A socket with the options every role wants: no message-count limits (memory is bounded by the
-    data in flight, and a full queue must never block the event loop or drop silently), short linger."""
+def make_socket(ctx: zmq.Context, kind: int, identity: bytes | None = None, *, rcvhwm: int = 0,
+                max_bytes: int = -1) -> zmq.Socket:
+    """A socket with the options every role wants: no send limit (a full queue must never block the event
+    loop or drop silently; what a role sends is bounded by what it was asked), a receive queue of ``rcvhwm``
+    messages per peer (0: unbounded, only for sockets whose peers answer what this role asked), frames of
+    at most ``max_bytes`` (-1: any; a larger frame closes the connection), short linger.  A ROUTER hands a
+    routing id over to the newest connection that claims it, so a legitimate peer that reconnects is never
+    locked out by a connection it left behind."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, rcvhwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     sock.setsockopt(zmq.LINGER, 2000)
     if identity is not None:
         sock.setsockopt(zmq.ROUTING_ID, identity)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     return sock
+
+
+def random_identity(role: str) -> bytes:
+    """An explicit routing id for a connecting socket, so that the listener never generates one (libzmq's
+    generated ids are predictable, and it aborts when one it generates is already taken)."""
+    return f"{role[:1]}-".encode() + os.urandom(8).hex().encode()
 
 
 def send(sock: zmq.Socket, frames: Sequence[Any], route: bytes | None = None) -> None:
@@ -163,24 +176,75 @@ class Wakeup:
 
 
 class DropLog:
-    """Logs dropped (bad) messages at most once per ``interval`` seconds, with a count of the rest."""
+    """Logs dropped (bad) messages, or refused connections, per peer address: at most once per ``interval``
+    seconds each, with a count of the rest.  Remembers at most ``max_peers`` addresses (forgetting them all
+    when a flood of addresses exceeds that, which only makes the next reports come sooner)."""
 
-    def __init__(self, who: str, interval: float = 10.0) -> None:
+    def __init__(self, who: str, interval: float = 10.0, max_peers: int = 1024,
+                 what: str = "dropped a bad message") -> None:
         self.who = who
+        self.what = what
         self.interval = interval
+        self.max_peers = max_peers
         self.total = 0
-        self._suppressed = 0
-        self._last = -float("inf")
+        self._peers: dict[str, list[float]] = {}  # peer -> [time of the last report, drops since]
 
     def drop(self, error: WireError | str, peer: str = "?") -> None:
+        """Count one from ``peer`` (an address or a role's name) and log it when due."""
         self.total += 1
         now = time.monotonic()
-        if now - self._last < self.interval:
-            self._suppressed += 1
+        entry = self._peers.get(peer)
+        if entry is not None and now - entry[0] < self.interval:
+            entry[1] += 1
             return
-        more = f" ({self._suppressed} more dropped since the last report)" if self._suppressed else ""
-        log.warning("%s: dropped a bad message from %s: %s%s", self.who, peer, error, more)
-        self._last, self._suppressed = now, 0
+        if entry is None and len(self._peers) >= self.max_peers:
+            self._peers.clear()
+        more = f" ({int(entry[1])} more from it since the last report)" if entry is not None and entry[1] else ""
+        log.warning("%s: %s from %s: %s%s", self.who, self.what, peer, error, more)
+        self._peers[peer] = [now, 0]
+
+
+class Receiver:
+    """Reads a socket's messages a frame at a time, with bounds a sender cannot push past.
+
+    A message of more than ``max_frames`` frames (not counting a ROUTER's
+    routing frame) is discarded while it is read, its frames never held
+    together; one call of :meth:`messages` reads at most ``budget`` frames,
+    so a flood of frames cannot keep an event loop from its heartbeats.  A
+    message cut by the budget is finished by the next call.
+    """
+
+    def __init__(self, sock: zmq.Socket, max_frames: int, drops: DropLog, peer: str = "") -> None:
+        self.sock = sock
+        self.limit = max_frames + (1 if sock.socket_type == zmq.ROUTER else 0)
+        self.drops = drops
+        self.peer = peer  # names the sender in logs for a connecting socket; a ROUTER's frames name it
+        self._parts: list[zmq.Frame] = []
+        self._count = 0
+
+    def messages(self, budget: int) -> Iterator[list[zmq.Frame]]:
+        """Yield the complete messages that arrive within ``budget`` frames (without blocking)."""
+        sock = self.sock
+        while budget > 0:
+            try:
+                frame = sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            budget -= 1
+            self._count += 1
+            if self._count <= self.limit:
+                self._parts.append(frame)
+            elif self._count == self.limit + 1:
+                del self._parts[1:]  # keep the first frame, which tells where the message came from
+            if frame.more:
+                continue
+            parts, count = self._parts, self._count
+            self._parts, self._count = [], 0
+            if count > self.limit:
+                self.drops.drop(f"a message of {count} frames (at most {self.limit} are read)",
+                                self.peer or peer_address(parts[0]))
+                continue
+            yield parts
 
 
 def node_name(role: str, index: int, info: dict[str, Any] | None = None) -> str:

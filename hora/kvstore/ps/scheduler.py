@@ -29,12 +29,24 @@ import zmq
 
 from hora.config import PSConfig
 from hora.errors import ConfigError
-from hora.kvstore.ps import wire
-from hora.kvstore.ps.link import SCHEDULER_ID
-from hora.kvstore.ps.net import DropLog, job_key, make_socket, node_name, peer_address, resolve_host, send
+from hora.kvstore.ps import secure, wire
+from hora.kvstore.ps.link import CONTROL_BYTES, CONTROL_FRAMES, SCHEDULER_ID
+from hora.kvstore.ps.net import (
+    DropLog,
+    Receiver,
+    job_key,
+    make_socket,
+    node_name,
+    peer_address,
+    resolve_host,
+    send,
+)
 from hora.kvstore.ps.wire import Cmd, Message, WireError
 
 log = logging.getLogger(__name__)
+
+_RCVHWM = 100  # messages queued per connection: a node sends a heartbeat per interval and waits on its requests
+_TURN_FRAMES = 4096  # frames read per loop turn, so a flood cannot delay the heartbeats and liveness checks
 
 
 @dataclasses.dataclass(slots=True)
@@ -66,7 +78,10 @@ class Scheduler:
         self.config = config
         self.key = job_key(config)
         self.ctx = zmq.Context()
-        self.sock = make_socket(self.ctx, zmq.ROUTER)
+        self.sock = make_socket(self.ctx, zmq.ROUTER, rcvhwm=_RCVHWM, max_bytes=CONTROL_BYTES)
+        creds = secure.credentials(self.key, config.encrypt)
+        secure.secure_listener(self.sock, creds)
+        self.auth = secure.Authenticator(self.ctx, creds, "scheduler", self.sock)
         self.endpoint = f"tcp://{resolve_host(config.root_uri)}:{config.root_port}"
         try:
             self.sock.bind(self.endpoint)
@@ -81,7 +96,7 @@ class Scheduler:
         self.exit_code: int | None = None
         self.dead_since: float | None = None
         self.drops = DropLog("scheduler")
-        self._reject_times: dict[bytes, float] = {}
+        self.receiver = Receiver(self.sock, CONTROL_FRAMES, self.drops)
 
     # --- main loop --------------------------------------------------------------------------------
     def run(self) -> int:
@@ -94,8 +109,7 @@ class Scheduler:
         try:
             while self.exit_code is None:
                 if self.sock.poll(max(1, int((next_tick - time.monotonic()) * 1000))):
-                    while self.sock.poll(0):
-                        frames = self.sock.recv_multipart(copy=False)
+                    for frames in self.receiver.messages(_TURN_FRAMES):
                         self._on_message(frames[0].bytes, frames[1:])
                 now = time.monotonic()
                 if now >= next_tick:
@@ -107,6 +121,8 @@ class Scheduler:
 
     def close(self) -> None:
         """Close the socket (letting queued notices go out) and the context."""
+        if self.auth.refusals.total:
+            log.info("scheduler: refused %d connections at the handshake in all", self.auth.refusals.total)
         self.sock.close(linger=2000)
         self.ctx.term()
 
@@ -137,8 +153,6 @@ class Scheduler:
             msg = wire.decode(frames, self.key)
         except WireError as e:
             self.drops.drop(e, peer_address(frames[0]) if frames else "?")
-            if wire.peek_cmd(frames) == Cmd.REGISTER and route not in self.nodes:
-                self._reject(route, frames)
             return
         node = self.nodes.get(route)
         if msg.cmd is Cmd.REGISTER:
@@ -159,13 +173,6 @@ class Scheduler:
             self._on_goodbye(node, msg)
         else:
             self.drops.drop(f"unexpected {msg.cmd.name} from {node.name}", peer_address(frames[0]))
-
-    def _reject(self, route: bytes, frames: list) -> None:
-        now = time.monotonic()
-        if now - self._reject_times.get(route, -1e9) < 1.0:
-            return
-        self._reject_times[route] = now
-        send(self.sock, wire.encode_reject("its messages failed the job's HMAC check (wrong HORA_SECRET)"), route)
 
     def _on_register(self, route: bytes, msg: Message, frames: list) -> None:
         cfg = self.config

@@ -42,10 +42,10 @@ import zmq
 
 from hora.config import PSConfig
 from hora.errors import ConfigError, PSError
-from hora.kvstore.ps import shm, wire
+from hora.kvstore.ps import secure, shm, wire
 from hora.kvstore.ps.keys import Keys, KeyState, Op, SendToken, ShmToken
 from hora.kvstore.ps.link import SchedulerLink, lost_error
-from hora.kvstore.ps.net import DropLog, Wakeup, bind_address, job_key, make_socket, peer_address, send
+from hora.kvstore.ps.net import DropLog, Receiver, Wakeup, bind_address, job_key, make_socket, peer_address, send
 from hora.kvstore.ps.wire import Cmd, Message, WireError
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,8 @@ _MUTATING = (Cmd.INIT, Cmd.PUSH, Cmd.SET_OPTIMIZER, Cmd.SET_COMPRESSION, Cmd.SET
 _WORKER_CMDS = (*_KEY_CMDS, Cmd.SET_OPTIMIZER, Cmd.SET_COMPRESSION, Cmd.GET_STATES, Cmd.SET_STATES, Cmd.SHM_HELLO,
                 Cmd.RELEASE)
 _MAX_RELEASE = 4096  # pull ids one RELEASE may name, and released ids remembered per worker
+_TURN_MESSAGES = 64  # requests read per loop turn, so replies and heartbeats are not starved...
+_TURN_FRAMES = 1 << 16  # ...nor by a message of many frames, which is read (or discarded) over several turns
 
 
 class _Requests:
@@ -83,14 +85,18 @@ class Server:
         self.config = config
         self.key = job_key(config)
         self.ctx = zmq.Context(io_threads=2)
-        self.router = make_socket(self.ctx, zmq.ROUTER)
         # Read at most a few messages ahead of each worker: unread pushes wait in the worker (its own copy)
         # instead of piling up here, so the server holds its keys, one merge buffer each, and little else.
-        self.router.setsockopt(zmq.RCVHWM, 2)
+        self.router = make_socket(self.ctx, zmq.ROUTER, rcvhwm=2,
+                                  max_bytes=max(config.max_frame_bytes, wire.MAX_HEADER) + 64)
+        creds = secure.credentials(self.key, config.encrypt)
+        secure.secure_listener(self.router, creds)
+        self.auth = secure.Authenticator(self.ctx, creds, "server", self.router)
         address = bind_address(config)
         try:
             port = self.router.bind_to_random_port(f"tcp://{address}")
         except zmq.ZMQError as e:
+            self.auth.stop()
             self.ctx.destroy(linger=0)
             raise ConfigError(f"the server cannot bind an address on {address}: {e}") from e
         self.addr = f"tcp://{address}:{port}"
@@ -127,6 +133,7 @@ class Server:
             collections.deque())
         self.wake = Wakeup()
         self.drops = DropLog("server")
+        self.receiver = Receiver(self.router, wire.MAX_FRAMES, self.drops)
         threads = config.server_threads or min(8, os.cpu_count() or 2)
         self.keys = Keys(self, threads)
         self.max_decoding = 4 * threads
@@ -149,6 +156,8 @@ class Server:
         finally:
             if self.drops.total:
                 log.info("%s: dropped %d bad messages in all", self.name, self.drops.total)
+            if self.auth.refusals.total:
+                log.info("%s: refused %d connections at the handshake in all", self.name, self.auth.refusals.total)
             log.info("%s: %d of %d workers shared memory; %d pushes and %d pulls went through it", self.name,
                      len(self.shm_peers), self.num_workers, self.shm_counts["pushes"], self.shm_counts["pulls"])
             self._log_memory()
@@ -175,18 +184,16 @@ class Server:
             poller.modify(self.router, zmq.POLLIN if self._can_read() else 0)
             events = dict(poller.poll(beat_ms))
             if self.link.sock in events:
-                while self.link.sock.poll(0):
-                    msg = self.link.receive(self.link.sock.recv_multipart(copy=False))
-                    code = self._on_scheduler(msg) if msg is not None else None
+                for msg in self.link.incoming():
+                    code = self._on_scheduler(msg)
                     if code is not None:
                         self._flush()
                         return code
-            if self.router in events:
-                for _ in range(64):  # bounded, so replies and heartbeats are not starved
-                    if not self._can_read() or not self.router.poll(0):
-                        break
-                    frames = self.router.recv_multipart(copy=False)
+            if self.router in events and self._can_read():
+                for n, frames in enumerate(self.receiver.messages(_TURN_FRAMES), 1):
                     self._on_request(frames[0].bytes, frames[1:])
+                    if n >= _TURN_MESSAGES or not self._can_read():
+                        break
             self.wake.clear()
             while self.decoded:
                 route, frames, result, nbytes = self.decoded.popleft()
@@ -516,6 +523,11 @@ class Server:
               digests: Sequence[bytes | None] | None = None, token: SendToken | None = None,
               extra: dict[str, Any] | None = None) -> None:
         """Answer a request (from any thread): signed here, sent by the event loop."""
+        too_big = [a.nbytes for a in arrays if a.nbytes > self.config.max_frame_bytes]
+        if too_big:
+            arrays, digests = (), None
+            error = (f"{op.cmd.name}: an array of {max(too_big)} bytes exceeds HORA_PS_MAX_FRAME_BYTES="
+                     f"{self.config.max_frame_bytes}, the largest frame a worker accepts; raise it on every role")
         header = {"c": int(Cmd.REPLY), "s": self.id, "d": f"w{op.worker}", "i": op.rid, "e": error,
                   **(extra or {})}
         frames = wire.encode(header, arrays, self.key, digests)

@@ -41,8 +41,8 @@ import numpy as np
 
 MAC_BYTES = 32
 CHUNK = 4 * 1024 * 1024  # frames larger than this are hashed as a tree of CHUNK-sized pieces
-MAX_HEADER = 64 * 1024 * 1024
-MAX_FRAMES = 1 << 20
+MAX_HEADER = 16 * 1024 * 1024
+MAX_FRAMES = 1 << 16  # frames of one message, header and MAC included (a message carries at most MAX_FRAMES - 2 arrays)
 MAX_NDIM = 32
 _TAG = b"hora-ps/1\0"
 _INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -70,7 +70,7 @@ class Cmd(enum.IntEnum):
     NODE_LOST = 8       # scheduler -> all: a node died; the job is dead
     WORKER_LEFT = 9     # scheduler -> servers and workers: a worker closed its store
     STOP = 10           # scheduler -> servers: the job is over
-    REJECT = 11         # scheduler -> unregistered node, unauthenticated: your MAC did not verify
+    # 11 was REJECT (an unsigned "your MAC did not verify"); a wrong secret now fails the ZeroMQ handshake
     INIT = 20           # worker -> server: a part of a key's (shard's) first value
     PUSH = 21           # worker -> server: a part of push ``seq`` of a gradient, at element ``off`` of ``n``
     PULL = 22           # worker -> server: elements [off, off + len) once push ``after`` is applied
@@ -99,7 +99,6 @@ SCHEMA: dict[Cmd, dict[str, str]] = {
     Cmd.NODE_LOST: {"node": "str", "detail": "str"},
     Cmd.WORKER_LEFT: {"rank": "int", "node": "str"},
     Cmd.STOP: {},
-    Cmd.REJECT: {"reason": "str"},
     Cmd.INIT: {**_REQ, "k": "str", "off": "int", "n": "int", "m": "~list"},
     Cmd.PUSH: {**_REQ, "k": "str", "seq": "int", "off": "int", "n": "int", "z": "int", "m": "~list"},
     Cmd.PULL: {**_REQ, "k": "str", "after": "int", "off": "int", "len": "int", "n": "int", "m": "~bool"},
@@ -210,7 +209,13 @@ def encode(header: dict[str, Any], arrays: Sequence[np.ndarray], key: bytes,
 
     ``digests`` may hold precomputed :func:`payload_digest` values (None where
     unknown), so a stored array is hashed once however many times it is sent.
+
+    Raises:
+        ValueError: an array's dtype cannot travel, or there are more than ``MAX_FRAMES - 2`` arrays.
     """
+    if len(arrays) > MAX_FRAMES - 2:
+        raise ValueError(f"a message carries at most {MAX_FRAMES - 2} arrays, not {len(arrays)} (receivers drop "
+                         "longer messages unread)")
     frames = [array_frame(a) for a in arrays]
     header = dict(header)
     header["f"] = [[a.dtype.name, list(a.shape)] for a in frames]
@@ -218,11 +223,6 @@ def encode(header: dict[str, Any], arrays: Sequence[np.ndarray], key: bytes,
     dig = [digests[i] if digests is not None and digests[i] is not None else payload_digest(f)
            for i, f in enumerate(frames)]
     return [packed, *frames, _mac(key, packed, dig)]
-
-
-def encode_reject(reason: str) -> list[bytes]:
-    """An unauthenticated rejection (the receiver could not verify a MAC of ours, so we cannot sign)."""
-    return [msgpack.packb({"c": int(Cmd.REJECT), "reason": reason[:500]}), b""]
 
 
 # ------------------------------------------------------------------------------------ decoding
@@ -307,25 +307,3 @@ def decode(frames: Sequence[Any], key: bytes) -> Message:
         _check_type(cmd, name, header[name], kind)
     shared = cmd in (Cmd.INIT, Cmd.PUSH, Cmd.REPLY) and header.get("m") is not None
     return Message(cmd, header, _arrays(cmd, header.get("f"), bufs, shared))
-
-
-def peek_reject(frames: Sequence[Any]) -> str | None:
-    """The reason of an unauthenticated :data:`Cmd.REJECT`, or None when ``frames`` is not one."""
-    if len(frames) != 2 or _frame_buffer(frames[1]).nbytes != 0:
-        return None
-    try:
-        header = msgpack.unpackb(bytes(_frame_buffer(frames[0])), raw=False)
-    except Exception:
-        return None
-    if isinstance(header, dict) and header.get("c") == Cmd.REJECT and isinstance(header.get("reason"), str):
-        return header["reason"]
-    return None
-
-
-def peek_cmd(frames: Sequence[Any]) -> int | None:
-    """The unauthenticated command number of a frame list, for deciding whether to answer a bad MAC."""
-    try:
-        header = msgpack.unpackb(bytes(_frame_buffer(frames[0])), raw=False)
-    except Exception:
-        return None
-    return header.get("c") if isinstance(header, dict) else None
