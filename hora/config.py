@@ -92,9 +92,12 @@ class EngineConfig:
         autotune: tune fusion threshold, cycle time, direct threshold and
             overlap while the job runs (:mod:`hora.core.autotune`).
         autotune_log_file: CSV of every autotune trial (rank 0).
-        autotune_warmup_samples: samples discarded after each change of settings.
+        autotune_warmup_samples: samples discarded before the first trial (the step after each change of
+            settings is discarded too).
         autotune_steps_per_sample: training steps in one scored sample.
         autotune_max_samples: trials before autotune settles on the best.
+        autotune_space: the candidates, when not the default grid (see
+            :func:`hora.core.autotune.parse_space`).
         mpi_threads: ask MPI for MPI_THREAD_MULTIPLE.
         overlap: run asynchronous collectives on the engine thread as soon as
             they are submitted, overlapping them with computation.  ``None``
@@ -124,9 +127,10 @@ class EngineConfig:
     timeline_queue: int = 1 << 16
     autotune: bool = False
     autotune_log_file: str | None = None
-    autotune_warmup_samples: int = 3
+    autotune_warmup_samples: int = 1
     autotune_steps_per_sample: int = 10
     autotune_max_samples: int = 20
+    autotune_space: str | None = None
     mpi_threads: bool = True
     overlap: bool | None = None
     malloc_tuning: bool = True
@@ -199,11 +203,12 @@ class EngineConfig:
             autotune=_as_bool(env, (envvars.HORA_AUTOTUNE, envvars.HOROVOD_AUTOTUNE), False),
             autotune_log_file=_lookup(env, envvars.HORA_AUTOTUNE_LOG, envvars.HOROVOD_AUTOTUNE_LOG),
             autotune_warmup_samples=_as_int(
-                env, (envvars.HORA_AUTOTUNE_WARMUP_SAMPLES, envvars.HOROVOD_AUTOTUNE_WARMUP_SAMPLES), 3),
+                env, (envvars.HORA_AUTOTUNE_WARMUP_SAMPLES, envvars.HOROVOD_AUTOTUNE_WARMUP_SAMPLES), 1),
             autotune_steps_per_sample=_as_int(
                 env, (envvars.HORA_AUTOTUNE_STEPS_PER_SAMPLE, envvars.HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE), 10),
             autotune_max_samples=_as_int(
                 env, (envvars.HORA_AUTOTUNE_MAX_SAMPLES, envvars.HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES), 20),
+            autotune_space=_lookup(env, envvars.HORA_AUTOTUNE_SPACE),
             mpi_threads=not _as_bool(
                 env, (envvars.HORA_MPI_THREADS_DISABLE, envvars.HOROVOD_MPI_THREADS_DISABLE), False
             ),

@@ -15,6 +15,7 @@ The engine is an object, not module state: ``init()`` -> ``shutdown()`` ->
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -119,6 +120,12 @@ class Engine:
             from hora.core import timeline
 
             timeline.start(self, config.timeline_filename, config.timeline_mark_cycles)
+        #: rank 0's :class:`~hora.core.autotune.Autotuner` with ``HORA_AUTOTUNE=1``; the others follow it
+        self.autotune: Any = None
+        if config.autotune and self.rank == 0:
+            from hora.core import autotune
+
+            self.autotune = autotune.for_engine(config, self.overlap)
         self._thread = threading.Thread(target=self._main, name=f"hora-engine-{self.rank}", daemon=True)
         self._thread.start()
 
@@ -176,6 +183,8 @@ class Engine:
             from hora.core import timeline
 
             timeline.stop(self)
+        if self.autotune is not None:
+            self.autotune.close()
         self._teardown_backends()
 
     def set_timeline(self, timeline: Any) -> Any:
@@ -186,6 +195,22 @@ class Engine:
         previous, self.timeline = self.timeline, timeline
         self._executor.timeline = timeline
         return previous
+
+    def retune(self, **knobs: Any) -> None:
+        """Change engine knobs from this round on: ``fusion_threshold_bytes``, ``cycle_time_ms``,
+        ``direct_threshold_bytes``, ``overlap``.
+
+        Every rank must change them in the same round, because the fusion
+        decisions of a round must agree; :mod:`hora.core.autotune` does so
+        through the negotiation round.  Cached allreduce plans are dropped.
+        """
+        if "overlap" in knobs:
+            self.overlap = bool(knobs.pop("overlap"))
+        self.config = dataclasses.replace(self.config, **knobs)
+        self._executor.set_thresholds(self.config.fusion_threshold_bytes, self.config.direct_threshold_bytes)
+        for entry in self._cache.by_id:
+            if entry.ready is not None:
+                entry.ready.plan = None
 
     @property
     def running(self) -> bool:
@@ -337,7 +362,8 @@ class Engine:
                     vector[HEADER + entry.id] = 1
             vector[SLOT_JOINED] = 1
         diagnose = self._stalls.due(self._last_round_at, [r.submitted_at for r in self._pending.values()])
-        if announce or joined or diagnose:
+        tuned = self.autotune.proposal() if self.autotune is not None else None
+        if announce or joined or diagnose or tuned:
             vector[SLOT_PHASE2] = 1
         if self._shutdown_requested:
             vector[SLOT_SHUTDOWN] = 1
@@ -357,7 +383,13 @@ class Engine:
             message = {"a": announce, "j": joined}
             if diagnose:
                 message["p"] = ages(self._pending, time.monotonic())
+            if tuned:
+                message["t"] = tuned
             infos = [msgpack.unpackb(b) for b in self.controller.allgather_bytes(msgpack.packb(message))]
+            if "t" in infos[0]:  # rank 0's autotune decision: every rank switches in this round
+                self.retune(**infos[0]["t"])
+                if self.autotune is not None:
+                    self.autotune.applied()
             announcements = [info["a"] for info in infos]
             newly_joined = {r for r, info in enumerate(infos) if info["j"]} - self._joined_ranks
             self._joined_ranks |= newly_joined
@@ -374,6 +406,8 @@ class Engine:
         if tl is not None:
             tl.observe_round(time.monotonic(), self._pending, cache, totals, HEADER, announcements, members, ready)
         self._execute(ready)
+        if self.autotune is not None:
+            self.autotune.after_round(ready)
 
         if totals[SLOT_JOINED] == self.size:
             last = max(newly_joined or self._joined_ranks or {self.rank})
