@@ -14,8 +14,8 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from hora.core import runtime
-from hora.core.ops import ReduceOp
+from hora.core import collectives, runtime
+from hora.core.ops import CollectiveType, ReduceOp
 from hora.errors import UnsupportedError
 
 
@@ -55,6 +55,35 @@ def split_gathered_bytes(data: np.ndarray, sizes: Sequence[int]) -> list[Any]:
         out.append(cloudpickle.loads(raw[offset: offset + int(n)]))
         offset += int(n)
     return out
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = None) -> Any:
+    """Send any picklable object from the root to every rank of the process set and return it.
+
+    Framework-free (NumPy through the core); the bindings' ``broadcast_object`` use it.
+    """
+    rt = runtime.current()
+    name = name or rt.auto_name("broadcast_object", collectives.process_set_id(process_set))
+    is_root = rt.engine.rank == root_rank
+    payload = object_to_bytes(obj) if is_root else np.zeros(0, np.uint8)
+    (size,) = collectives.submit(CollectiveType.BROADCAST, [np.array([payload.size], np.int64)], name=f"{name}.size",
+                                 root=int(root_rank), process_set=process_set, wake=False).wait()
+    data = payload if is_root else np.zeros(int(size[0]), np.uint8)
+    (data,) = collectives.submit(CollectiveType.BROADCAST, [data], name=f"{name}.data", root=int(root_rank),
+                                 process_set=process_set, wake=False).wait()
+    return obj if is_root else bytes_to_object(data)
+
+
+def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
+    """Gather one picklable object from every rank of the process set, in rank order."""
+    rt = runtime.current()
+    name = name or rt.auto_name("allgather_object", collectives.process_set_id(process_set))
+    data = object_to_bytes(obj)
+    (sizes,) = collectives.submit(CollectiveType.ALLGATHER, [np.array([data.size], np.int64)], name=f"{name}.sizes",
+                                  process_set=process_set, wake=False).wait()
+    (gathered,) = collectives.submit(CollectiveType.ALLGATHER, [data], name=f"{name}.data", process_set=process_set,
+                                     wake=False).wait()
+    return split_gathered_bytes(gathered, sizes.tolist())
 
 
 def warmup_multiplier(epoch: float, size: int, warmup_epochs: float) -> float:
@@ -128,5 +157,5 @@ def mpi_threads_supported() -> bool:
 TOPOLOGY_CALLS = ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "is_homogeneous",
                   "mpi_enabled", "gloo_enabled", "mpi_threads_supported")
 
-__all__ = [*TOPOLOGY_CALLS, "bytes_to_object", "object_to_bytes", "resolve_op", "split_gathered_bytes",
-           "warmup_multiplier"]
+__all__ = [*TOPOLOGY_CALLS, "allgather_object", "broadcast_object", "bytes_to_object", "object_to_bytes",
+           "resolve_op", "split_gathered_bytes", "warmup_multiplier"]

@@ -5,14 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
-from hora.core import collectives, runtime
-from hora.core.collectives import process_set_id
-from hora.core.frontend import bytes_to_object, object_to_bytes, split_gathered_bytes
-from hora.core.ops import CollectiveType
+from hora.core import frontend
 from hora.core.runtime import ProcessSet, global_process_set
+from hora.errors import HoraError
 from hora.tensorflow import mpi_ops
 
 
@@ -46,14 +43,6 @@ def broadcast_global_variables(root_rank: int) -> Any:
     return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
 
 
-def _numpy_collective(kind: CollectiveType, arrays: list[np.ndarray], name: str, **kwargs: Any) -> list[Any]:
-    handle = collectives.submit(kind, arrays, name=name, wake=False, **kwargs)
-    try:
-        return handle.wait()
-    except mpi_ops.HoraError as e:
-        raise mpi_ops.CollectiveFailedError(str(e)) from e
-
-
 def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Send any picklable object from the root to every rank of the process set and return it.
@@ -61,17 +50,10 @@ def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: st
     Runs immediately in eager and graph mode alike (``session`` is accepted
     for Horovod compatibility and not needed).
     """
-    rt = runtime.current()
-    name = name or rt.auto_name("broadcast_object", process_set_id(process_set))
-    is_root = rt.engine.rank == root_rank
-    payload = object_to_bytes(obj) if is_root else np.zeros(0, np.uint8)
-    size = np.array([payload.size], dtype=np.int64)
-    (size,) = _numpy_collective(CollectiveType.BROADCAST, [size], f"{name}.size", root=int(root_rank),
-                                process_set=process_set)
-    data = payload if is_root else np.zeros(int(size[0]), np.uint8)
-    (data,) = _numpy_collective(CollectiveType.BROADCAST, [data], f"{name}.data", root=int(root_rank),
-                                process_set=process_set)
-    return obj if is_root else bytes_to_object(data)
+    try:
+        return frontend.broadcast_object(obj, root_rank, name, process_set)
+    except HoraError as e:
+        raise mpi_ops.CollectiveFailedError(str(e)) from e
 
 
 def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | None = None,
@@ -86,13 +68,10 @@ def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | Non
 def allgather_object(obj: Any, session: Any = None, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list[Any]:
     """Gather one picklable object from every rank of the process set, in rank order."""
-    rt = runtime.current()
-    name = name or rt.auto_name("allgather_object", process_set_id(process_set))
-    data = object_to_bytes(obj)
-    (sizes,) = _numpy_collective(CollectiveType.ALLGATHER, [np.array([data.size], np.int64)], f"{name}.sizes",
-                                 process_set=process_set)
-    (gathered,) = _numpy_collective(CollectiveType.ALLGATHER, [data], f"{name}.data", process_set=process_set)
-    return split_gathered_bytes(gathered, sizes.tolist())
+    try:
+        return frontend.allgather_object(obj, name, process_set)
+    except HoraError as e:
+        raise mpi_ops.CollectiveFailedError(str(e)) from e
 
 
 __all__ = ["allgather_object", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",

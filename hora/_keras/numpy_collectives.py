@@ -1,0 +1,67 @@
+"""NumPy collectives for Keras-level helpers (callbacks, ``hvd.allreduce`` on values), through the core."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from hora.core import collectives
+from hora.core.ops import CollectiveType, ReduceOp
+from hora.core.runtime import ProcessSet, global_process_set
+
+
+def _contiguous(a: Any) -> np.ndarray:
+    # np.ascontiguousarray would turn a 0-d array (a scalar variable) into shape (1,)
+    a = np.asarray(a)
+    return a if a.flags.c_contiguous else a.copy(order="C")
+
+
+def allreduce_arrays(arrays: Sequence[np.ndarray], op: ReduceOp = ReduceOp.AVERAGE, name: str | None = None,
+                     prescale: float = 1.0, postscale: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
+    """Reduce NumPy arrays across ranks as one grouped allreduce."""
+    arrays = [_contiguous(a) for a in arrays]
+    if not arrays:
+        return []
+    return collectives.submit(CollectiveType.ALLREDUCE, arrays, name=name, op=op, prescale=prescale,
+                              postscale=postscale, process_set=process_set, wake=False).wait()
+
+
+def allgather_arrays(arrays: Sequence[np.ndarray], name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
+    """Concatenate every rank's arrays along their first dimension."""
+    arrays = [_contiguous(a) for a in arrays]
+    return collectives.submit(CollectiveType.ALLGATHER, arrays, name=name, process_set=process_set,
+                              wake=False).wait()
+
+
+def broadcast_arrays(arrays: Sequence[np.ndarray], root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
+    """The root's arrays on every rank, as one grouped broadcast."""
+    arrays = [_contiguous(a) for a in arrays]
+    if not arrays:
+        return []
+    return collectives.submit(CollectiveType.BROADCAST, arrays, name=name, root=int(root_rank),
+                              process_set=process_set, wake=False).wait()
+
+
+def variables_of(obj: Any) -> list[Any]:
+    """``obj.variables`` whether Keras made it a property (Keras 3, tf_keras) or a method (legacy optimizers)."""
+    if obj is None:
+        return []
+    v = getattr(obj, "variables", [])
+    return list(v() if callable(v) else v)
+
+
+def broadcast_variables(variables: Sequence[Any], root_rank: int,
+                        process_set: ProcessSet = global_process_set) -> None:
+    """Overwrite Keras variables (any backend, eager) with the root's values, in one grouped broadcast."""
+    variables = list(variables)
+    values = broadcast_arrays([np.asarray(v) for v in variables], root_rank, process_set=process_set)
+    for var, value in zip(variables, values, strict=True):
+        var.assign(value)
+
+
+__all__ = ["allgather_arrays", "allreduce_arrays", "broadcast_arrays", "broadcast_variables", "variables_of"]

@@ -1,0 +1,156 @@
+"""Horovod's ``horovod.tensorflow.keras`` on hora: ``import hora.tensorflow.keras as hvd``.
+
+``tf.keras`` is Keras 3 on TensorFlow 2.16 and later, or the legacy tf_keras
+(Keras 2) when ``TF_USE_LEGACY_KERAS=1``; both work.  The optimizer's
+gradients are reduced where each Keras applies them (``Optimizer.apply`` in
+Keras 3, ``apply_gradients`` in tf_keras), inside the compiled train step,
+as one grouped allreduce per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from hora._keras.numpy_collectives import broadcast_variables as _broadcast_keras_variables
+from hora._keras.numpy_collectives import variables_of
+from hora._keras.optimizer import attach_reducer, distributed_class
+from hora.core.ops import ReduceOp
+from hora.core.runtime import ProcessSet, global_process_set
+from hora.errors import UnsupportedError
+from hora.tensorflow import (  # noqa: F401  (the topology and collectives are hora.tensorflow's)
+    Adasum,
+    Average,
+    Compression,
+    Max,
+    Min,
+    Product,
+    Sum,
+    add_process_set,
+    allgather,
+    allgather_object,
+    allreduce,
+    broadcast,
+    broadcast_object,
+    cross_rank,
+    cross_size,
+    init,
+    is_homogeneous,
+    is_initialized,
+    join,
+    local_rank,
+    local_size,
+    mpi_enabled,
+    mpi_threads_supported,
+    rank,
+    remove_process_set,
+    shutdown,
+    size,
+)
+from hora.tensorflow import broadcast_global_variables as _tf_broadcast_global_variables
+from hora.tensorflow.gradients import make_allreduce_grads_fn
+from hora.tensorflow.keras import callbacks
+
+
+def is_legacy_keras() -> bool:
+    """True when ``tf.keras`` is tf_keras (Keras 2), i.e. ``TF_USE_LEGACY_KERAS=1``."""
+    return tf.keras.optimizers.Optimizer.__module__.startswith("tf_keras")
+
+
+def _hook(cls: type) -> str:
+    """Where an optimizer class applies gradients: ``apply_gradients`` in tf_keras, ``apply`` in Keras 3."""
+    legacy = any(c.__module__.startswith("tf_keras") for c in cls.__mro__)
+    return "apply_gradients" if legacy else "apply"
+
+
+def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: str = "", device_sparse: str = "",
+                         compression: Any = Compression.none, sparse_as_dense: bool = False,
+                         gradient_predivide_factor: float = 1.0, op: ReduceOp | int = ReduceOp.AVERAGE,
+                         backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
+                         groups: Any = None, process_set: ProcessSet = global_process_set,
+                         scale_local_gradients: bool = True, num_groups: int = 0) -> Any:
+    """A copy of a ``tf.keras`` optimizer (same class and config, fresh state) that averages gradients.
+
+    Args and semantics are Horovod's; see :func:`hora.keras.DistributedOptimizer`.
+
+    Raises:
+        UnsupportedError: ``backward_passes_per_step > 1`` with tf_keras, whose
+            optimizers have no gradient accumulation of their own.
+    """
+    if backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
+    if groups is None and num_groups:
+        groups = num_groups
+    config = optimizer.get_config()
+    if name is not None:
+        config["name"] = name
+    scale = 1.0
+    if backward_passes_per_step > 1:
+        if _hook(type(optimizer)) == "apply_gradients":
+            raise UnsupportedError("backward_passes_per_step > 1 needs Keras 3's gradient accumulation; with "
+                                   "tf_keras (TF_USE_LEGACY_KERAS=1) use backward_passes_per_step=1")
+        config["gradient_accumulation_steps"] = backward_passes_per_step
+        if not average_aggregated_gradients:
+            scale = float(backward_passes_per_step)
+    reduce_tf = make_allreduce_grads_fn(compression, sparse_as_dense, op, gradient_predivide_factor, groups,
+                                        process_set)
+
+    def reducer(grads: Sequence[Any], variables: Sequence[Any] | None = None) -> list[Any]:
+        out = reduce_tf(grads, variables)
+        return [g * scale if g is not None and scale != 1.0 else g for g in out]
+
+    cls = distributed_class(type(optimizer), _hook(type(optimizer)), make_allreduce_grads_fn)
+    dist = cls.from_config(config)
+    attach_reducer(dist, reducer)
+    return dist
+
+
+def PartialDistributedOptimizer(optimizer: Any, name: str | None = None, local_layers: Any = None,
+                                **kwargs: Any) -> Any:
+    """A :func:`DistributedOptimizer` whose ``local_layers``' variables keep their local gradients."""
+    dist = DistributedOptimizer(optimizer, name=name, **kwargs)
+    layers = local_layers if isinstance(local_layers, list | tuple) else [local_layers] if local_layers else []
+    for layer in layers:
+        for var in layer.trainable_weights:
+            dist.register_local_var(var)
+    return dist
+
+
+def broadcast_variables(variables: Sequence[Any], root_rank: int,
+                        process_set: ProcessSet = global_process_set) -> None:
+    """Overwrite variables with the root's values, in place."""
+    _broadcast_keras_variables(variables, root_rank, process_set)
+
+
+def broadcast_global_variables(root_rank: int, model: Any = None) -> Any:
+    """Broadcast a model's and its optimizer's variables (eagerly), or the TF1 graph's global variables."""
+    if model is not None:
+        _broadcast_keras_variables([*model.variables, *variables_of(getattr(model, "optimizer", None))], root_rank)
+        return None
+    return _tf_broadcast_global_variables(root_rank)
+
+
+def _optimizer_classes(custom_optimizers: Sequence[type]) -> dict[str, type]:
+    base = tf.keras.optimizers.Optimizer
+    classes = [c for c in vars(tf.keras.optimizers).values() if isinstance(c, type) and issubclass(c, base)]
+    classes += list(custom_optimizers)
+    return {c.__name__: distributed_class(c, _hook(c), make_allreduce_grads_fn) for c in classes}
+
+
+def load_model(filepath: str, custom_optimizers: Sequence[type] | None = None,
+               custom_objects: dict[str, Any] | None = None, compression: Any = Compression.none,
+               **kwargs: Any) -> Any:
+    """``tf.keras.models.load_model`` whose compiled optimizer comes back as a ``DistributedOptimizer``."""
+    objects = _optimizer_classes(custom_optimizers or ())
+    objects.update(custom_objects or {})
+    model = tf.keras.models.load_model(filepath, custom_objects=objects, **kwargs)
+    opt = getattr(model, "optimizer", None)
+    if opt is not None and hasattr(type(opt), "hora_default_reducer"):
+        attach_reducer(opt, make_allreduce_grads_fn(compression))
+    return model
+
+
+__all__ = [name for name in dir() if not name.startswith("_") and name not in ("annotations", "tf", "Any",
+                                                                               "Sequence")]

@@ -1,0 +1,52 @@
+"""Horovod's Keras callbacks for ``tf.keras`` (Keras 3, or tf_keras under ``TF_USE_LEGACY_KERAS=1``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from hora._keras.callbacks import (
+    BroadcastGlobalVariablesMixin,
+    LearningRateScheduleMixin,
+    LearningRateWarmupMixin,
+    MetricAverageMixin,
+    is_root_rank,
+)
+
+
+class BroadcastGlobalVariablesCallback(BroadcastGlobalVariablesMixin, tf.keras.callbacks.Callback):
+    """Start every rank from the root's weights and optimizer state (``root_rank``, default 0)."""
+
+
+class MetricAverageCallback(MetricAverageMixin, tf.keras.callbacks.Callback):
+    """Average the epoch's metrics over the ranks, so ``History`` and later callbacks see the averages."""
+
+
+class LearningRateScheduleCallback(LearningRateScheduleMixin, tf.keras.callbacks.Callback):
+    """Learning rate ``initial_lr * multiplier(epoch)`` from ``start_epoch`` to ``end_epoch``."""
+
+
+class LearningRateWarmupCallback(LearningRateWarmupMixin, tf.keras.callbacks.Callback):
+    """Gradual warmup from ``initial_lr / size`` to ``initial_lr`` over ``warmup_epochs``."""
+
+
+class BestModelCheckpoint(tf.keras.callbacks.ModelCheckpoint):
+    """``ModelCheckpoint(save_best_only=True)`` that writes on rank 0 only (place it after MetricAverageCallback)."""
+
+    def __init__(self, filepath: str, monitor: str = "val_loss", verbose: int = 0, mode: str = "auto",
+                 save_freq: Any = "epoch", save_weights_only: bool = False) -> None:
+        super().__init__(filepath, monitor=monitor, verbose=verbose, save_best_only=True,
+                         save_weights_only=save_weights_only, mode=mode, save_freq=save_freq)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if is_root_rank():
+            super().on_train_batch_end(batch, logs)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if is_root_rank():
+            super().on_epoch_end(epoch, logs)
+
+
+__all__ = ["BestModelCheckpoint", "BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback",
+           "LearningRateWarmupCallback", "MetricAverageCallback"]
