@@ -1,0 +1,274 @@
+"""hora.tensorflow's collectives on every rank: values, dtypes, gradients and errors, eagerly and in tf.function."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import hora.tensorflow as hvd
+
+MODES = ["eager", "function"]
+FLOATS = [tf.float16, tf.float32, tf.float64]
+INTS = [tf.uint8, tf.int8, tf.int32, tf.int64]
+
+
+def run(mode, fn, *args):
+    """``fn(*args)`` eagerly, or traced into a tf.function (a py_function node per collective)."""
+    if mode == "eager":
+        return fn(*args)
+    return tf.function(fn)(*args)
+
+
+def rank_values(shape, dtype, offset=0):
+    base = np.arange(int(np.prod(shape))).reshape(shape) % 5
+    return tf.constant(base + hvd.rank() + offset, dtype=dtype)
+
+
+def expected_sum(shape):
+    n = hvd.size()
+    return (np.arange(int(np.prod(shape))).reshape(shape) % 5) * n + sum(range(n))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", FLOATS + INTS)
+def test_allreduce_sum_dtypes(mode, dtype):
+    t = rank_values((3, 4), dtype)
+    out = run(mode, lambda x: hvd.allreduce(x, op=hvd.Sum), t)
+    assert out.dtype == dtype and out.shape == (3, 4)
+    np.testing.assert_allclose(out.numpy().astype(np.float64), expected_sum((3, 4)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_allreduce_average_min_max_product_and_scales(mode):
+    r, n = hvd.rank(), hvd.size()
+    t = tf.constant([r + 1.0, -r, 2.0], tf.float64)
+
+    def f(x):
+        return (hvd.allreduce(x), hvd.allreduce(x, op=hvd.Min), hvd.allreduce(x, op=hvd.Max),
+                hvd.allreduce(x, op=hvd.Product), hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0,
+                                                                postscale_factor=0.5))
+
+    avg, mn, mx, prod, scaled = run(mode, f, t)
+    np.testing.assert_allclose(avg.numpy(), [(n + 1) / 2, -(n - 1) / 2, 2.0])
+    np.testing.assert_allclose(mn.numpy(), [1.0, -(n - 1), 2.0])
+    np.testing.assert_allclose(mx.numpy(), [n, 0.0, 2.0])
+    np.testing.assert_allclose(prod.numpy()[0], float(np.prod(np.arange(1, n + 1))))
+    np.testing.assert_allclose(scaled.numpy(), [n * (n + 1) / 2, -n * (n - 1) / 2, 2.0 * n])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grouped_allreduce_and_fp16_compression(mode):
+    a, b = rank_values((5,), tf.float32), rank_values((2, 3), tf.float64, offset=1)
+
+    def f(x, y):
+        return hvd.grouped_allreduce([x, y], op=hvd.Sum), hvd.allreduce(x, op=hvd.Sum,
+                                                                        compression=hvd.Compression.fp16)
+
+    (ra, rb), rc = run(mode, f, a, b)
+    np.testing.assert_allclose(ra.numpy(), expected_sum((5,)))
+    np.testing.assert_allclose(rb.numpy(), expected_sum((2, 3)) + hvd.size())
+    assert rc.dtype == tf.float32
+    np.testing.assert_allclose(rc.numpy(), expected_sum((5,)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_allgather_variable_rows_and_grouped(mode):
+    r, n = hvd.rank(), hvd.size()
+    t = tf.fill([r + 1, 2], float(r))
+    u = tf.constant([r], tf.int64)
+
+    def f(x, y):
+        return hvd.allgather(x), hvd.grouped_allgather([x, y])
+
+    out, (g1, g2) = run(mode, f, t, u)
+    expected = np.concatenate([np.full((i + 1, 2), float(i)) for i in range(n)])
+    np.testing.assert_array_equal(out.numpy(), expected)
+    np.testing.assert_array_equal(g1.numpy(), expected)
+    assert g2.numpy().tolist() == list(range(n))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [tf.float32, tf.int32, tf.bool])
+def test_broadcast_from_every_root(mode, dtype):
+    for root in range(hvd.size()):
+        t = tf.cast(tf.fill([3, 2], hvd.rank() % 2 if dtype == tf.bool else hvd.rank()), dtype)
+        out = run(mode, lambda x, root=root: hvd.broadcast(x, root), t)
+        assert out.dtype == dtype
+        np.testing.assert_array_equal(out.numpy(), np.full((3, 2), root % 2 if dtype == tf.bool else root))
+
+
+def test_broadcast_inplace_and_variables():
+    v = tf.Variable(tf.fill([4], float(hvd.rank())))
+    w = tf.Variable(tf.fill([2, 2], hvd.rank() + 10))
+    (out,) = hvd.broadcast_([v], root_rank=hvd.size() - 1)
+    np.testing.assert_array_equal(v.numpy(), np.full(4, hvd.size() - 1.0))
+    np.testing.assert_array_equal(out.numpy(), v.numpy())
+    hvd.broadcast_variables([v, w], root_rank=0)
+    np.testing.assert_array_equal(w.numpy(), np.full((2, 2), 10))
+    np.testing.assert_array_equal(v.numpy(), np.full(4, hvd.size() - 1.0))  # already the last rank's
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_alltoall_uneven_splits(mode):
+    r, n = hvd.rank(), hvd.size()
+    # rank r sends (i + 1) rows valued r to rank i
+    splits = tf.constant([i + 1 for i in range(n)], tf.int32)
+    rows = sum(range(1, n + 1))
+    t = tf.fill([rows, 3], float(r))
+    out, received = run(mode, lambda x, s: hvd.alltoall(x, splits=s), t, splits)
+    assert received.numpy().tolist() == [r + 1] * n
+    expected = np.concatenate([np.full((r + 1, 3), float(i)) for i in range(n)])
+    np.testing.assert_array_equal(out.numpy(), expected)
+    even = run(mode, lambda x: hvd.alltoall(x), tf.fill([2 * n], float(r)))
+    np.testing.assert_array_equal(even.numpy(), np.repeat(np.arange(n, dtype=np.float32), 2))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reducescatter_sum_average(mode):
+    r, n = hvd.rank(), hvd.size()
+    t = tf.constant(np.arange(2 * n * 3).reshape(2 * n, 3) + r, tf.float32)
+
+    def f(x):
+        return hvd.reducescatter(x, op=hvd.Sum), hvd.reducescatter(x)
+
+    s, a = run(mode, f, t)
+    full = np.arange(2 * n * 3).reshape(2 * n, 3) * n + sum(range(n))
+    np.testing.assert_allclose(s.numpy(), full[2 * r: 2 * r + 2])
+    np.testing.assert_allclose(a.numpy(), full[2 * r: 2 * r + 2] / n)
+
+
+def _gradient(mode, op_fn, x):
+    def f(v):
+        with tf.GradientTape() as tape:
+            tape.watch(v)
+            loss = tf.reduce_sum(op_fn(v))
+        return tape.gradient(loss, v)
+
+    return run(mode, f, x).numpy()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradients_as_horovod_defines_them(mode):
+    r, n = hvd.rank(), hvd.size()
+    x = tf.constant([1.0, 2.0, 3.0 * (r + 1)])
+    # allreduce(Sum): d/dx sum(allreduce(x)) = allreduce(ones) = n
+    np.testing.assert_allclose(_gradient(mode, lambda v: hvd.allreduce(v, op=hvd.Sum), x), [n] * 3)
+    # allreduce(Average) of ones averaged again: 1
+    np.testing.assert_allclose(_gradient(mode, lambda v: hvd.allreduce(v), x), [1.0] * 3)
+    # allgather: this rank's rows of the averaged upstream gradient (ones)
+    rows = tf.fill([r + 1, 2], 1.0)
+    np.testing.assert_allclose(_gradient(mode, lambda v: hvd.allgather(v), rows), np.ones((r + 1, 2)))
+    # broadcast: the averaged gradient goes to the root only
+    expected = np.ones(3) if r == 0 else np.zeros(3)
+    np.testing.assert_allclose(_gradient(mode, lambda v: hvd.broadcast(v, 0), x), expected)
+    # alltoall: the reverse alltoall of ones
+    np.testing.assert_allclose(_gradient(mode, lambda v: hvd.alltoall(v), tf.ones([2 * n])), np.ones(2 * n))
+    # reducescatter(Sum): allgather of the upstream times n
+    np.testing.assert_allclose(_gradient(mode, lambda v: hvd.reducescatter(v, op=hvd.Sum), tf.ones([n, 2])),
+                               np.full((n, 2), float(n)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_distributed_gradient_tape_averages(mode):
+    r, n = hvd.rank(), hvd.size()
+    w = tf.Variable([1.0, 1.0])
+    local = tf.Variable([2.0])
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * float(r + 1)) + tf.reduce_sum(local * float(r + 1))
+        tape = hvd.DistributedGradientTape(tape)
+        tape.register_local_source(local)
+        return tape.gradient(loss, [w, local])
+
+    gw, gl = run(mode, step)
+    np.testing.assert_allclose(gw.numpy(), [(n + 1) / 2] * 2)
+    np.testing.assert_allclose(gl.numpy(), [(r + 1) / n])  # local, scaled by 1/size as in Horovod
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", MODES)
+def test_mismatched_shapes_fail_on_every_rank_naming_the_tensor(mode):
+    if hvd.size() == 1:
+        pytest.skip("needs two ranks")
+    t = tf.ones([3 + hvd.rank()])
+    with pytest.raises(tf.errors.FailedPreconditionError, match="mismatch_shape"):
+        run(mode, lambda x: hvd.allreduce(x, name="mismatch_shape"), t)
+    t = tf.ones([3], dtype=tf.int32 if hvd.rank() == 0 else tf.float32)
+    with pytest.raises(tf.errors.FailedPreconditionError, match="mismatch_dtype"):
+        run(mode, lambda x: hvd.allreduce(x, name="mismatch_dtype"), t)
+    with pytest.raises(tf.errors.FailedPreconditionError, match="mismatch_root"):
+        run(mode, lambda x: hvd.broadcast(x, hvd.rank(), name="mismatch_root"), tf.ones([2]))
+    # the engine is still healthy afterwards
+    np.testing.assert_allclose(hvd.allreduce(tf.ones([2]), op=hvd.Sum).numpy(), [hvd.size()] * 2)
+
+
+def test_errors_are_hora_errors_too():
+    from hora.errors import HoraError
+
+    assert issubclass(hvd.CollectiveFailedError, HoraError)
+    assert issubclass(hvd.CollectiveFailedError, tf.errors.FailedPreconditionError)
+
+
+def test_process_set_collectives():
+    n = hvd.size()
+    ps = hvd.add_process_set([0, n - 1] if n > 2 else [n - 1])  # [0, 1] would be the global set
+    try:
+        if ps.included():
+            out = hvd.allreduce(tf.constant([float(hvd.rank())]), op=hvd.Sum, process_set=ps)
+            assert out.numpy().tolist() == [float(sum(ps.ranks))]
+            assert hvd.size_op(ps.process_set_id).numpy() == len(ps.ranks)
+        assert hvd.process_set_included_op(ps.process_set_id).numpy() == int(ps.included())
+    finally:
+        hvd.remove_process_set(ps)
+
+
+def test_topology_ops_and_objects():
+    assert hvd.rank_op().numpy() == hvd.rank() and hvd.size_op().numpy() == hvd.size()
+    assert hvd.local_rank_op().numpy() == hvd.local_rank() and hvd.local_size_op().numpy() == hvd.local_size()
+    obj = hvd.broadcast_object({"from": hvd.rank(), "fn": len} if hvd.rank() == 0 else None, root_rank=0)
+    assert obj["from"] == 0 and obj["fn"] is len
+    assert hvd.allgather_object(("r", hvd.rank())) == [("r", i) for i in range(hvd.size())]
+    assert hvd.broadcast_object_fn(root_rank=hvd.size() - 1)(hvd.rank()) == hvd.size() - 1
+
+
+@pytest.mark.timeout(120)
+def test_join_serves_the_others_allreduces():
+    r, n = hvd.rank(), hvd.size()
+    if r == 0:
+        out = hvd.allreduce(tf.constant([5.0]), op=hvd.Sum, name="before_join")
+        assert out.numpy().tolist() == [5.0]  # the joined ranks contributed zeros
+    last = hvd.join()
+    assert int(last) in range(n)
+
+
+def test_tf1_graph_optimizer_and_broadcast_hook():
+    """A tf.compat.v1 graph: DistributedOptimizer.compute_gradients averages, the hook broadcasts at start."""
+    r, n = hvd.rank(), hvd.size()
+    with tf.Graph().as_default():
+        w = tf.compat.v1.get_variable("w", initializer=tf.constant([float(r), 1.0]), use_resource=True)
+        loss = tf.reduce_sum(w * float(r + 1))
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.5))
+        grads = opt.compute_gradients(loss, var_list=[w])
+        train = opt.apply_gradients(grads)
+        hook = hvd.BroadcastGlobalVariablesHook(0)
+        with tf.compat.v1.train.MonitoredTrainingSession(hooks=[hook]) as sess:
+            assert sess.run(w).tolist() == [0.0, 1.0]  # root's value everywhere
+            g = sess.run(grads[0][0])
+            np.testing.assert_allclose(g, [(n + 1) / 2] * 2)
+            sess.run(train)
+            np.testing.assert_allclose(sess.run(w), [-(n + 1) / 4, 1.0 - (n + 1) / 4])
+    with pytest.raises(RuntimeError, match="eager"):
+        hvd.broadcast_global_variables(0)
+
+
+def test_sync_batch_norm_uses_every_ranks_batch():
+    r, n = hvd.rank(), hvd.size()
+    full = np.arange(4 * n * 2, dtype=np.float32).reshape(4 * n, 2)
+    mine = full[4 * r: 4 * r + 4]
+    layer = hvd.SyncBatchNormalization(momentum=0.0)
+    out = layer(tf.constant(mine), training=True).numpy()
+    mean, var = full.mean(0), full.var(0)
+    np.testing.assert_allclose(out, (mine - mean) / np.sqrt(var + layer.epsilon), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(layer.moving_mean.numpy(), mean, rtol=1e-5)
