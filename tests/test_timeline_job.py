@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import sys
+import time
 from collections import defaultdict
 
 import pytest
+from conftest import ROOT, job_env
 
 SCRIPT = "tests/scripts/timeline_job.py"
 
@@ -77,3 +81,25 @@ def test_sigterm_mid_job_leaves_valid_json(run_job, tmp_path):
     seen = spans_by_tensor(events)
     assert seen["allreduce.grad.0"].count("ALLREDUCE") >= 5, seen
     assert any(e.get("name") == "CYCLE_START" for e in events)
+
+
+def test_interrupting_hora_run_leaves_valid_json(tmp_path):
+    """Ctrl-C on the launcher: it forwards the signal, the workers close the file and exit."""
+    path = tmp_path / "tl.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hora.runner.cli", "run", "-np", "2", "--gloo", "--timeline-filename", str(path),
+         sys.executable, SCRIPT, "forever", str(tmp_path)],
+        env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "started").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the job did not start"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, out[-3000:]
+    events = json.loads(path.read_text())  # strict JSON
+    assert spans_by_tensor(events)["allreduce.grad.0"].count("ALLREDUCE") >= 5

@@ -5,6 +5,7 @@ Modes:
                  --timeline-filename / HORA_TIMELINE, and is closed by the normal exit.
   startstop DIR  hvd.start_timeline / stop_timeline three times, into DIR/run{1,2,3}.json.
   sigterm DIR    steps forever; after 5 steps rank 0 sends itself SIGTERM.
+  forever DIR    steps until the launcher is interrupted; rank 0 touches DIR/started after 5 steps.
 """
 
 from __future__ import annotations
@@ -42,13 +43,16 @@ def main() -> None:
             step(n)
             hvd.stop_timeline()
             step(10 + n)  # not recorded
-    elif mode == "sigterm":
+    elif mode in ("sigterm", "forever"):
         i = 0
         while True:
             step(i)
             i += 1
             if i == 5 and hvd.rank() == 0:
-                os.kill(os.getpid(), signal.SIGTERM)
+                if mode == "sigterm":
+                    os.kill(os.getpid(), signal.SIGTERM)
+                else:
+                    (out / "started").touch()
     hvd.shutdown()
 
 
