@@ -70,7 +70,7 @@ log = logging.getLogger(__name__)
 MiB = 1024 * 1024
 
 #: Records the engine puts on the queue (the first element of each tuple).
-_CYCLE, _NEG_START, _NEG_RANK, _NEG_END, _BUCKET, _SINGLE = range(6)
+_CYCLE, _NEGOTIATION, _BUCKET, _SINGLE = range(4)
 
 #: Control requests that never appear in a timeline.
 _HIDDEN = frozenset({CollectiveType.JOIN, CollectiveType.ADD_PROCESS_SET, CollectiveType.REMOVE_PROCESS_SET})
@@ -154,7 +154,7 @@ class Timeline:
         self._on_stop = on_stop
         self._t0 = time.monotonic()
         self._epoch_us = int(time.time() * 1e6)
-        # negotiation state, engine thread only: name -> [start, known ready ranks, last count]
+        # negotiation state, engine thread only: name -> [start, known ready ranks, last count, instants]
         self._negotiating: dict[str, list] = {}
         self._labels: dict[str, tuple[str, str]] = {}  # name -> (display name, OP)
         # writer state
@@ -162,6 +162,8 @@ class Timeline:
         self._open: dict[int, int] = {}  # pid -> spans open in the file
         self._written_drops = 0
         self._ops_open: dict[str, tuple[float, Any]] = {}  # name -> (op start, signature)
+        self._quoted: dict[str, str] = {}  # instant name -> as JSON
+        self._args_of: dict[int, tuple[Any, str]] = {}  # id(signature) -> (signature, closing args)
         self._file = None
         self._body_end = 0
         self._events = 0
@@ -247,11 +249,10 @@ class Timeline:
             if state is None:
                 continue
             error = None if r.error is None else str(r.error)
-            self.put((_NEG_END, r.name, at, r, error))
+            self.put((_NEGOTIATION, r.name, state[0], state[3], at, r, error))
 
     def _start(self, name: str, at: float) -> None:
-        self._negotiating[name] = [at, set(), 0]
-        self.put((_NEG_START, name, at))
+        self._negotiating[name] = [at, set(), 0, []]
 
     def _progress(self, name: str, at: float, count: int, announced: set[int], ranks: Sequence[int],
                   mine: bool, pending: Mapping[str, Any]) -> None:
@@ -259,16 +260,16 @@ class Timeline:
             return  # another process set's collective: this rank never runs it
         state = self._negotiating.get(name)
         if state is None:
-            state = [at, set(), 0]
+            state = [at, set(), 0, []]
             self._negotiating[name] = state
-            self.put((_NEG_START, name, at))
         known: set[int] = state[1]
+        instants: list = state[3]
         if mine and self.rank not in known:
             known.add(self.rank)
-            self.put((_NEG_RANK, name, pending[name].submitted_at, str(self.rank)))
+            instants.append((pending[name].submitted_at, str(self.rank)))
         for r in sorted(announced - known):
             known.add(r)
-            self.put((_NEG_RANK, name, at, str(r)))
+            instants.append((at, str(r)))
         if count <= state[2]:
             return
         state[2] = count
@@ -276,9 +277,9 @@ class Timeline:
         if len(unknown) == count - len(known):
             for r in unknown:
                 known.add(r)
-                self.put((_NEG_RANK, name, at, str(r)))
+                instants.append((at, str(r)))
         elif count > len(known):
-            self.put((_NEG_RANK, name, at, f"ready {count}/{len(ranks)}"))
+            instants.append((at, f"ready {count}/{len(ranks)}"))
 
     def _label(self, name: str, kind: CollectiveType) -> None:
         if name not in self._labels:
@@ -375,46 +376,10 @@ class Timeline:
         code = rec[0]
         if code == _CYCLE:
             lines.append(f'{{"ph": "i", "name": "CYCLE_START", "ts": {self._us(rec[1])}, "s": "g"}}')
-        elif code == _NEG_START:
-            _, name, at = rec
-            pid = self._pid(name, lines)
-            self._begin(lines, pid, "NEGOTIATE_" + self._labels.get(name, (name, "UNKNOWN"))[1], at)
-        elif code == _NEG_RANK:
-            _, name, at, who = rec
-            pid = self._pid(name, lines)
-            lines.append(f'{{"ph": "X", "name": {json.dumps(who)}, "ts": {self._us(at)}, "pid": {pid}, "dur": 0}}')
-        elif code == _NEG_END:
-            _, name, at, ready, error = rec
-            pid = self._pid(name, lines)
-            if error is not None:
-                self._end(lines, pid, at, f', "args": {{"error": {json.dumps(error)}}}')
-                return
-            self._end(lines, pid, at)
-            sig = ready.first()
-            self._begin(lines, pid, sig.kind.name, at)
-            self._ops_open[name] = (at, sig)
-            if sig.kind == CollectiveType.BARRIER:
-                self._close_op(lines, name, pid, at)
+        elif code == _NEGOTIATION:
+            self._format_negotiation(rec, lines)
         elif code == _BUCKET:
-            _, backend, fused, names, start, packed, reduced, done = rec
-            activity = f"{backend.upper()}_ALLREDUCE"
-            for name in dict.fromkeys(names):
-                if name is None:
-                    continue
-                pid = self._pid(name, lines)
-                op = self._ops_open.get(name)
-                queued = op[0] if op is not None else start
-                self._begin(lines, pid, QUEUE, queued)
-                self._end(lines, pid, start)
-                if fused:
-                    self._begin(lines, pid, MEMCPY_IN, start)
-                    self._end(lines, pid, packed)
-                self._begin(lines, pid, activity, packed)
-                self._end(lines, pid, reduced)
-                if fused:
-                    self._begin(lines, pid, MEMCPY_OUT, reduced)
-                    self._end(lines, pid, done)
-                self._close_op(lines, name, pid, done)
+            self._format_bucket(rec, lines)
         elif code == _SINGLE:
             _, backend, kind, name, start, done = rec
             pid = self._pid(name, lines)
@@ -426,16 +391,82 @@ class Timeline:
             self._end(lines, pid, done)
             self._close_op(lines, name, pid, done)
 
+    def _format_negotiation(self, rec: tuple, lines: list[str]) -> None:
+        """A whole negotiation (its span and per-rank instants) and the start of its collective, as one string."""
+        _, name, start, instants, at, ready, error = rec
+        us = self._us
+        pid = self._pid(name, lines)
+        label = "NEGOTIATE_" + self._labels.get(name, (name, "UNKNOWN"))[1]
+        parts = [f'{{"ph": "B", "name": "{label}", "ts": {us(start)}, "pid": {pid}}}']
+        for ts, who in sorted(instants):
+            shown = self._quoted.get(who)
+            if shown is None:
+                shown = self._quoted[who] = json.dumps(who)
+            parts.append(f'{{"ph": "X", "name": {shown}, "ts": {us(ts)}, "pid": {pid}, "dur": 0}}')
+        end = 0 if at is None else us(at)
+        if at is None:  # still negotiating when the recording stopped: _close_spans ends it
+            self._open[pid] = self._open.get(pid, 0) + 1
+        elif error is not None:
+            parts.append(f'{{"ph": "E", "ts": {end}, "pid": {pid}, "args": {{"error": {json.dumps(error)}}}}}')
+        else:
+            sig = ready.first()
+            parts.append(f'{{"ph": "E", "ts": {end}, "pid": {pid}}}')
+            parts.append(f'{{"ph": "B", "name": "{sig.kind.name}", "ts": {end}, "pid": {pid}}}')
+            self._open[pid] = self._open.get(pid, 0) + 1
+            self._ops_open[name] = (at, sig)
+            if sig.kind == CollectiveType.BARRIER:
+                lines.append(",\n".join(parts))
+                self._close_op(lines, name, pid, at)
+                return
+        lines.append(",\n".join(parts))
+
+    def _format_bucket(self, rec: tuple, lines: list[str]) -> None:
+        """A bucket's activities for each of its tensors: the writer's busiest path, so one string per tensor."""
+        _, backend, fused, names, start, packed, reduced, done = rec
+        us = self._us
+        t0, t1, t2, t3 = us(start), us(packed), us(reduced), us(done)
+        activity = f"{backend.upper()}_ALLREDUCE"
+        if fused:
+            tail = (f'{{"ph": "E", "ts": {t0}, "pid": %d}},\n'
+                    f'{{"ph": "B", "name": "{MEMCPY_IN}", "ts": {t0}, "pid": %d}},\n'
+                    f'{{"ph": "E", "ts": {t1}, "pid": %d}},\n'
+                    f'{{"ph": "B", "name": "{activity}", "ts": {t1}, "pid": %d}},\n'
+                    f'{{"ph": "E", "ts": {t2}, "pid": %d}},\n'
+                    f'{{"ph": "B", "name": "{MEMCPY_OUT}", "ts": {t2}, "pid": %d}},\n'
+                    f'{{"ph": "E", "ts": {t3}, "pid": %d}}')
+            repeat = 7
+        else:
+            tail = (f'{{"ph": "E", "ts": {t0}, "pid": %d}},\n'
+                    f'{{"ph": "B", "name": "{activity}", "ts": {t1}, "pid": %d}},\n'
+                    f'{{"ph": "E", "ts": {t2}, "pid": %d}}')
+            repeat = 3
+        for name in dict.fromkeys(names):
+            if name is None:
+                continue
+            pid = self._pid(name, lines)
+            op = self._ops_open.get(name)
+            queued = us(op[0]) if op is not None else t0
+            lines.append(f'{{"ph": "B", "name": "{QUEUE}", "ts": {queued}, "pid": {pid}}},\n'
+                         + tail % ((pid,) * repeat))
+            self._close_op(lines, name, pid, done)
+
     def _close_op(self, lines: list[str], name: str, pid: int, at: float) -> None:
         op = self._ops_open.pop(name, None)
         if op is None:
             return
-        tensors = op[1].tensors
-        if len(tensors) == 1:
-            dtype, shape = tensors[0][0], str(list(tensors[0][1]))
-        else:
-            dtype, shape = ",".join(t[0] for t in tensors), str([list(t[1]) for t in tensors])
-        self._end(lines, pid, at, f', "args": {{"dtype": {json.dumps(dtype)}, "shape": {json.dumps(shape)}}}')
+        sig = op[1]
+        cached = self._args_of.get(id(sig))
+        if cached is None or cached[0] is not sig:  # steady state: the same cached signature every step
+            tensors = sig.tensors
+            if len(tensors) == 1:
+                dtype, shape = tensors[0][0], str(list(tensors[0][1]))
+            else:
+                dtype, shape = ",".join(t[0] for t in tensors), str([list(t[1]) for t in tensors])
+            cached = (sig, f', "args": {{"dtype": {json.dumps(dtype)}, "shape": {json.dumps(shape)}}}')
+            if len(self._args_of) > 4096:
+                self._args_of.clear()
+            self._args_of[id(sig)] = cached
+        self._end(lines, pid, at, cached[1])
 
     def _writer(self) -> None:
         while True:
@@ -519,9 +550,24 @@ class Timeline:
         """True while the recording runs (not closed, not stopped by the cap or an error)."""
         return not self._closed.is_set() and not self._stopped
 
+    def _flush_negotiations(self) -> None:
+        """Queue the negotiations still open (a stalled rank), which are otherwise written when they end."""
+        for _ in range(10):  # the engine's thread may be changing the table meanwhile
+            try:
+                open_now = [(name, st[0], list(st[3])) for name, st in list(self._negotiating.items())]
+                break
+            except RuntimeError:
+                continue
+        else:
+            return
+        for name, start, instants in open_now:
+            self.put((_NEGOTIATION, name, start, instants, None, None, None))
+
     def close(self, timeout: float = 10.0) -> None:
         """Write what is queued, close the array and stop the writer thread (idempotent)."""
         first = not self._closed.is_set()
+        if first:
+            self._flush_negotiations()
         self._closed.set()
         self._wake.set()
         if threading.current_thread() is not self._thread:
