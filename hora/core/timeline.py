@@ -20,7 +20,9 @@ What each phase means in hora:
   (all remaining ones when the count reaches the set's size, or the only
   candidates left).  When the count cannot say *which* ranks became ready the
   instant is named ``ready k/n`` instead of a rank number.  Another rank's
-  readiness is seen at the round that reports it, not earlier.
+  readiness is seen at the round that reports it, not earlier.  A
+  negotiation is written when it ends, as one record; one still open when the
+  recording stops (a rank that never submitted) is written then, unended.
 * ``QUEUE``: from the end of negotiation until this tensor's fusion bucket
   starts (it waits behind the round's earlier buckets).
 * ``MEMCPY_IN_FUSION_BUFFER`` / ``MEMCPY_OUT_FUSION_BUFFER``: packing into and
