@@ -1,0 +1,161 @@
+"""Keras training on every rank, for the flavour the job runs (HORA_TEST_KERAS=keras3 on KERAS_BACKEND, or
+tfkeras): the equivalence of 2 ranks x B with 1 process x 2B, and Horovod's callback semantics."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+FLAVOUR = os.environ.get("HORA_TEST_KERAS", "keras3")
+if FLAVOUR == "tfkeras":
+    import tensorflow as tf
+
+    import hora.tensorflow.keras as hvd
+
+    keras = tf.keras
+else:
+    import keras
+
+    import hora.keras as hvd
+
+BATCH = 8
+FEATURES = 6
+
+
+def make_model(seed: int):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.Dense(3)])
+    return model
+
+
+def data(steps: int):
+    rng = np.random.default_rng(1234)
+    x = rng.normal(size=(steps, BATCH * hvd.size(), FEATURES)).astype("float32")
+    y = rng.integers(0, 3, size=(steps, BATCH * hvd.size())).astype("int32")
+    return x, y
+
+
+def loss_fn():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+@pytest.mark.parametrize("make_opt", [lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+                                      lambda: keras.optimizers.Adam(0.01)], ids=["sgd", "adam"])
+def test_ranks_times_batch_equal_one_process_times_global_batch(make_opt):
+    """Each rank trains on its B rows of a 2B (or 3B) batch; one local model trains on all rows: same weights."""
+    steps, r = 4, hvd.rank()
+    x, y = data(steps)
+    reference = make_model(0)
+    reference.compile(optimizer=make_opt(), loss=loss_fn())
+    model = make_model(0)
+    model.set_weights(reference.get_weights())
+    model.compile(optimizer=hvd.DistributedOptimizer(make_opt()), loss=loss_fn())
+    for s in range(steps):
+        reference.train_on_batch(x[s], y[s])
+        model.train_on_batch(x[s][r * BATCH:(r + 1) * BATCH], y[s][r * BATCH:(r + 1) * BATCH])
+    for got, want in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+
+
+def test_callbacks_broadcast_average_and_warmup():
+    r, n = hvd.rank(), hvd.size()
+    steps_per_epoch, epochs, lr = 4, 3, 0.05 * n
+    model = make_model(100 + r)  # different weights on every rank: the callback must fix that
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(lr)), loss=loss_fn())
+    root_weights = hvd.broadcast_object([w for w in model.get_weights()], root_rank=0)
+    seen_lr, local_logs, first_weights = [], [], []
+
+    class LogProbe(keras.callbacks.Callback):  # before MetricAverageCallback: sees this rank's own logs
+        def on_train_batch_begin(self, batch, logs=None):
+            if not first_weights:
+                first_weights.append(self.model.get_weights())
+
+        def on_epoch_end(self, epoch, logs=None):
+            local_logs.append(dict(logs))
+
+    class LrProbe(keras.callbacks.Callback):  # after the warmup: sees the rate the batch runs with
+        def on_train_batch_begin(self, batch, logs=None):
+            seen_lr.append(float(np.asarray(self.model.optimizer.learning_rate)))
+
+    x, y = data(steps_per_epoch)
+    xs = x.reshape(-1, FEATURES)[r::n]
+    ys = y.reshape(-1)[r::n] if r == 0 else (y.reshape(-1)[r::n] + 1) % 3  # ranks see different losses
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                 LogProbe(),
+                 hvd.callbacks.MetricAverageCallback(),
+                 hvd.callbacks.LearningRateWarmupCallback(initial_lr=lr, warmup_epochs=2,
+                                                          steps_per_epoch=steps_per_epoch, verbose=1),
+                 LrProbe()]
+    history = model.fit(xs, ys, batch_size=len(xs) // steps_per_epoch, epochs=epochs, callbacks=callbacks,
+                        verbose=0, shuffle=False)
+    # the root's weights reached every rank before the first batch
+    for got, want in zip(first_weights[0], root_weights, strict=True):
+        np.testing.assert_allclose(got, want)
+    # warmup: lr/size at the start, lr at the end of the warmup, Horovod's formula in between
+    for i, value in enumerate(seen_lr[: 2 * steps_per_epoch]):
+        epoch = i / steps_per_epoch + 1 / steps_per_epoch
+        np.testing.assert_allclose(value, lr / n * (epoch * (n - 1) / 2 + 1), rtol=1e-5)
+    np.testing.assert_allclose(seen_lr[-1], lr, rtol=1e-6)
+    # History holds the average over ranks of what each rank measured (LogProbe ran before the average)
+    local = np.array([logs["loss"] for logs in local_logs])
+    everyone = np.array(hvd.allgather_object(local.tolist()))
+    np.testing.assert_allclose(history.history["loss"], everyone.mean(0), rtol=1e-5)
+    # logs["lr"]: the rate at the end of each epoch
+    np.testing.assert_allclose(history.history["lr"], [seen_lr[steps_per_epoch - 1], lr, lr], rtol=1e-6)
+    # weights are identical on every rank afterwards
+    w = model.get_weights()[0]
+    gathered = hvd.allgather_object(w)
+    for other in gathered:
+        np.testing.assert_allclose(other, w, rtol=1e-6)
+
+
+def test_best_model_checkpoint_writes_on_rank_zero_only(tmp_path):
+    r = hvd.rank()
+    path = tmp_path / f"rank{r}" / "best.keras"
+    path.parent.mkdir()
+    model = make_model(0)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss=loss_fn())
+    x, y = data(2)
+    model.fit(x.reshape(-1, FEATURES), y.reshape(-1), validation_split=0.25, epochs=2, verbose=0,
+              callbacks=[hvd.callbacks.MetricAverageCallback(), hvd.callbacks.BestModelCheckpoint(str(path))])
+    assert path.exists() == (r == 0)
+
+
+def test_load_model_rewraps_the_optimizer(tmp_path):
+    model = make_model(0)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss=loss_fn())
+    x, y = data(2)
+    r = hvd.rank()
+    model.train_on_batch(x[0][r * BATCH:(r + 1) * BATCH], y[0][r * BATCH:(r + 1) * BATCH])
+    path = tmp_path / "model.keras"
+    model.save(str(path))
+    loaded = hvd.load_model(str(path))
+    assert type(loaded.optimizer).__name__ == "Adam"
+    assert hasattr(type(loaded.optimizer), "hora_default_reducer")
+    loaded.train_on_batch(x[1][r * BATCH:(r + 1) * BATCH], y[1][r * BATCH:(r + 1) * BATCH])
+    w = loaded.get_weights()[0]
+    for other in hvd.allgather_object(w):
+        np.testing.assert_allclose(other, w, rtol=1e-6)
+
+
+@pytest.mark.skipif(FLAVOUR == "tfkeras", reason="tf_keras optimizers have no gradient accumulation")
+def test_backward_passes_per_step_applies_every_n_steps():
+    model = make_model(0)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2,
+                                                     average_aggregated_gradients=True), loss=loss_fn())
+    reference = make_model(0)
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss_fn())
+    x, y = data(2)
+    r = hvd.rank()
+    before = model.get_weights()
+    model.train_on_batch(x[0][r * BATCH:(r + 1) * BATCH], y[0][r * BATCH:(r + 1) * BATCH])
+    for got, want in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(got, want)
+    model.train_on_batch(x[1][r * BATCH:(r + 1) * BATCH], y[1][r * BATCH:(r + 1) * BATCH])
+    # one update with the mean of the two global batches' gradients
+    reference.train_on_batch(np.concatenate([x[0], x[1]]), np.concatenate([y[0], y[1]]))
+    for got, want in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
