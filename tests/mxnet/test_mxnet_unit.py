@@ -1,0 +1,89 @@
+"""hora.mxnet pieces that need no other rank: compression, the KVStore registry, optimizer translation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.mxnet.conftest import needs_mxnet
+
+pytestmark = needs_mxnet
+
+
+def test_fp16_compression_round_trips_floats_and_leaves_the_rest():
+    import mxnet as mx
+
+    import hora.mxnet as hvd
+
+    for dtype in ("float16", "float32", "float64"):
+        x = mx.nd.ones((3, 2), dtype=dtype) * 1.5
+        sent, ctx = hvd.Compression.fp16.compress(x)
+        assert sent.dtype == np.float16
+        back = hvd.Compression.fp16.decompress(sent, ctx)
+        assert back.dtype == x.dtype and (back.asnumpy() == 1.5).all()
+    for dtype in ("uint8", "int8", "int32", "int64"):
+        x = mx.nd.ones((3,), dtype=dtype)
+        sent, ctx = hvd.Compression.fp16.compress(x)
+        assert sent.dtype == x.dtype and hvd.Compression.fp16.decompress(sent, ctx).dtype == x.dtype
+
+
+def test_stores_are_in_mxnets_registry():
+    import mxnet as mx
+
+    import hora.mxnet  # noqa: F401
+    from hora.mxnet.kvstore import HoraAllreduceStore, HoraDistAsyncStore, HoraDistSyncStore
+
+    registry = mx.kvstore.KVStoreBase.kv_registry
+    assert registry["hora"] is HoraAllreduceStore
+    assert registry["hora_dist_sync"] is HoraDistSyncStore
+    assert registry["hora_dist_async"] is HoraDistAsyncStore
+    assert not HoraAllreduceStore.is_capable("optimizer") and HoraDistSyncStore.is_capable("optimizer")
+
+
+def test_mxnet_optimizers_become_server_optimizers():
+    import mxnet as mx
+
+    from hora.errors import ConfigError
+    from hora.kvstore import optimizer as hopt
+    from hora.mxnet.kvstore import hora_optimizer_of
+
+    sgd = hora_optimizer_of(mx.optimizer.SGD(learning_rate=0.3, momentum=0.9, wd=1e-4, rescale_grad=0.125))
+    assert isinstance(sgd, hopt.SGD)
+    assert (sgd.lr, sgd.momentum, sgd.wd, sgd.rescale_grad) == (0.3, 0.9, 1e-4, 0.125)
+    adam = hora_optimizer_of(mx.optimizer.Adam(learning_rate=0.01, beta1=0.8))
+    assert isinstance(adam, hopt.Adam) and adam.beta1 == 0.8
+    with pytest.raises(ConfigError, match="SGD or Adam"):
+        hora_optimizer_of(mx.optimizer.RMSProp())
+    with pytest.raises(ConfigError, match="lr_scheduler"):
+        hora_optimizer_of(mx.optimizer.SGD(lr_scheduler=mx.lr_scheduler.FactorScheduler(step=10)))
+
+
+def test_split_list_cuts_into_nearly_equal_consecutive_parts():
+    from hora.mxnet.optimizer import split_list
+
+    assert split_list(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert split_list([1, 2], 5) == [[1], [2]]
+
+
+def test_collectives_refuse_what_they_cannot_take():
+    import mxnet as mx
+
+    from hora.mxnet.buffers import check_ndarray
+
+    with pytest.raises(TypeError, match="mx.nd.NDArray"):
+        check_ndarray(np.ones(2), "allreduce")
+    with pytest.raises(TypeError, match="tostype"):
+        check_ndarray(mx.nd.ones((2, 2)).tostype("csr"), "allreduce")
+
+
+def test_host_views_share_memory_with_the_ndarray():
+    import mxnet as mx
+
+    from hora.mxnet.buffers import read_view, to_ndarray, write_view
+
+    x = mx.nd.arange(6).reshape((2, 3)) * 2  # still being computed by MXNet's engine
+    view = write_view(x)
+    view[0, 0] = 42
+    assert x.asnumpy()[0, 0] == 42 and read_view(x)[1, 2] == 10
+    back = to_ndarray(np.arange(4, dtype=np.int64))
+    assert isinstance(back, mx.nd.NDArray) and back.dtype == np.int64 and back.asnumpy().tolist() == [0, 1, 2, 3]
