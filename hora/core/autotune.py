@@ -406,7 +406,12 @@ class Autotuner:
                     self.steps, len(self.trials), self.search.model, mean / 1e6, s.pinned())
 
     def close(self) -> None:
-        """Close the log (the engine is shutting down before autotune finished)."""
+        """Close the log; say so when the job ends before autotune settled."""
+        if self._mode != "done":
+            log.warning("autotune: the job ended after %d steps and %d trials, before autotune settled (it needs "
+                        "about (HORA_AUTOTUNE_MAX_SAMPLES + 4) x (HORA_AUTOTUNE_STEPS_PER_SAMPLE + 1) steps, and "
+                        "a step is counted only when a named collective comes round again)",
+                        self.steps, len(self.trials))
         if self._writer is not None:
             self._log.close()
             self._writer = None
