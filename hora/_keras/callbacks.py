@@ -21,7 +21,7 @@ from hora.core.frontend import warmup_multiplier
 from hora.core.ops import ReduceOp
 from hora.core.runtime import global_process_set
 
-from .numpy_collectives import allreduce_arrays, broadcast_variables, variables_of
+from .numpy_collectives import allreduce_arrays, broadcast_variables, to_numpy, variables_of
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class MetricAverageMixin:
 
 
 def _get_float(value: Any) -> float:
-    return float(np.asarray(value))
+    return float(to_numpy(value))
 
 
 class LearningRateScheduleMixin:

@@ -47,6 +47,12 @@ def broadcast_arrays(arrays: Sequence[np.ndarray], root_rank: int, name: str | N
                               process_set=process_set, wake=False).wait()
 
 
+def to_numpy(value: Any) -> np.ndarray:
+    """A variable's or tensor's value as a NumPy array (``.numpy()`` where Keras offers it)."""
+    numpy = getattr(value, "numpy", None)
+    return np.asarray(numpy() if callable(numpy) else value)
+
+
 def variables_of(obj: Any) -> list[Any]:
     """``obj.variables`` whether Keras made it a property (Keras 3, tf_keras) or a method (legacy optimizers)."""
     if obj is None:
@@ -59,9 +65,10 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int,
                         process_set: ProcessSet = global_process_set) -> None:
     """Overwrite Keras variables (any backend, eager) with the root's values, in one grouped broadcast."""
     variables = list(variables)
-    values = broadcast_arrays([np.asarray(v) for v in variables], root_rank, process_set=process_set)
+    values = broadcast_arrays([to_numpy(v) for v in variables], root_rank, process_set=process_set)
     for var, value in zip(variables, values, strict=True):
         var.assign(value)
 
 
-__all__ = ["allgather_arrays", "allreduce_arrays", "broadcast_arrays", "broadcast_variables", "variables_of"]
+__all__ = ["allgather_arrays", "allreduce_arrays", "broadcast_arrays", "broadcast_variables", "to_numpy",
+           "variables_of"]

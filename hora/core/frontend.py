@@ -14,8 +14,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from hora.core import collectives, runtime
-from hora.core.ops import CollectiveType, ReduceOp
+from hora.core.ops import ReduceOp
 from hora.errors import UnsupportedError
 
 
@@ -57,35 +56,6 @@ def split_gathered_bytes(data: np.ndarray, sizes: Sequence[int]) -> list[Any]:
     return out
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = None) -> Any:
-    """Send any picklable object from the root to every rank of the process set and return it.
-
-    Framework-free (NumPy through the core); the bindings' ``broadcast_object`` use it.
-    """
-    rt = runtime.current()
-    name = name or rt.auto_name("broadcast_object", collectives.process_set_id(process_set))
-    is_root = rt.engine.rank == root_rank
-    payload = object_to_bytes(obj) if is_root else np.zeros(0, np.uint8)
-    (size,) = collectives.submit(CollectiveType.BROADCAST, [np.array([payload.size], np.int64)], name=f"{name}.size",
-                                 root=int(root_rank), process_set=process_set, wake=False).wait()
-    data = payload if is_root else np.zeros(int(size[0]), np.uint8)
-    (data,) = collectives.submit(CollectiveType.BROADCAST, [data], name=f"{name}.data", root=int(root_rank),
-                                 process_set=process_set, wake=False).wait()
-    return obj if is_root else bytes_to_object(data)
-
-
-def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
-    """Gather one picklable object from every rank of the process set, in rank order."""
-    rt = runtime.current()
-    name = name or rt.auto_name("allgather_object", collectives.process_set_id(process_set))
-    data = object_to_bytes(obj)
-    (sizes,) = collectives.submit(CollectiveType.ALLGATHER, [np.array([data.size], np.int64)], name=f"{name}.sizes",
-                                  process_set=process_set, wake=False).wait()
-    (gathered,) = collectives.submit(CollectiveType.ALLGATHER, [data], name=f"{name}.data", process_set=process_set,
-                                     wake=False).wait()
-    return split_gathered_bytes(gathered, sizes.tolist())
-
-
 def warmup_multiplier(epoch: float, size: int, warmup_epochs: float) -> float:
     """Horovod's gradual warmup factor at a (fractional) epoch: from ``1/size`` to 1.
 
@@ -98,64 +68,4 @@ def warmup_multiplier(epoch: float, size: int, warmup_epochs: float) -> float:
     return 1.0 / size * (epoch * (size - 1) / warmup_epochs + 1.0)
 
 
-# ------------------------------------------------------------------ topology calls, the same in every binding
-def rank() -> int:
-    """This process's rank in ``[0, size())``."""
-    return runtime.current().engine.rank
-
-
-def size() -> int:
-    """Number of processes in the job."""
-    return runtime.current().engine.size
-
-
-def local_rank() -> int:
-    """Rank among the processes on this host."""
-    return runtime.current().engine.topology.local_rank
-
-
-def local_size() -> int:
-    """Number of processes on this host."""
-    return runtime.current().engine.topology.local_size
-
-
-def cross_rank() -> int:
-    """Index of this host among the job's hosts."""
-    return runtime.current().engine.topology.cross_rank
-
-
-def cross_size() -> int:
-    """Number of hosts in the job."""
-    return runtime.current().engine.topology.cross_size
-
-
-def is_homogeneous() -> bool:
-    """True when every host runs the same number of processes."""
-    t = runtime.current().engine.topology
-    return t.local_size * t.cross_size == size()
-
-
-def _controller_is(name: str) -> bool:
-    return runtime.is_initialized() and runtime.current().engine.controller.name == name
-
-
-def mpi_enabled() -> bool:
-    """True when this job's engine runs on MPI."""
-    return _controller_is("mpi")
-
-
-def gloo_enabled() -> bool:
-    """True when this job's engine runs on gloo."""
-    return _controller_is("gloo")
-
-
-def mpi_threads_supported() -> bool:
-    """True when MPI runs with MPI_THREAD_MULTIPLE."""
-    return bool(getattr(runtime.current().engine.controller, "threads_supported", False))
-
-
-TOPOLOGY_CALLS = ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "is_homogeneous",
-                  "mpi_enabled", "gloo_enabled", "mpi_threads_supported")
-
-__all__ = [*TOPOLOGY_CALLS, "allgather_object", "broadcast_object", "bytes_to_object", "object_to_bytes",
-           "resolve_op", "split_gathered_bytes", "warmup_multiplier"]
+__all__ = ["bytes_to_object", "object_to_bytes", "resolve_op", "split_gathered_bytes", "warmup_multiplier"]

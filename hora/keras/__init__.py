@@ -18,9 +18,13 @@ import numpy as np
 from hora._keras.numpy_collectives import allgather_arrays, allreduce_arrays, broadcast_arrays, variables_of
 from hora._keras.numpy_collectives import broadcast_variables as _broadcast_variables
 from hora.core import runtime as _runtime
-from hora.core.frontend import (
-    allgather_object,
-    broadcast_object,
+from hora.core.api import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    Sum,
     cross_rank,
     cross_size,
     gloo_enabled,
@@ -30,9 +34,10 @@ from hora.core.frontend import (
     mpi_enabled,
     mpi_threads_supported,
     rank,
-    resolve_op,
     size,
 )
+from hora.core.frontend import resolve_op
+from hora.core.objects import allgather_object, broadcast_object
 from hora.core.ops import ReduceOp
 from hora.core.runtime import (
     ProcessSet,
@@ -51,13 +56,6 @@ from hora.keras.optimizer import (
     distributed_optimizer_classes,
     make_reducer,
 )
-
-Average = ReduceOp.AVERAGE
-Sum = ReduceOp.SUM
-Adasum = ReduceOp.ADASUM
-Min = ReduceOp.MIN
-Max = ReduceOp.MAX
-Product = ReduceOp.PRODUCT
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:

@@ -11,16 +11,20 @@ from __future__ import annotations
 from typing import Any
 
 from hora.core import runtime as _runtime
-from hora.core.frontend import (
+from hora.core.api import (
+    ccl_built,
     cross_rank,
     cross_size,
+    ddl_built,
     gloo_enabled,
     is_homogeneous,
     local_rank,
     local_size,
+    mpi_built,
     mpi_enabled,
     mpi_threads_supported,
     rank,
+    rocm_built,
     size,
 )
 from hora.core.runtime import (
@@ -87,11 +91,6 @@ def shutdown() -> None:
     _runtime.shutdown()
 
 
-def mpi_built() -> bool:
-    """True when mpi4py is importable (hora needs no compile step)."""
-    return _runtime.mpi_built()
-
-
 def gloo_built() -> bool:
     """True when torch.distributed (which carries gloo) can be imported."""
     import importlib.util
@@ -105,18 +104,6 @@ def nccl_built() -> bool:
 
 
 def cuda_built() -> bool:
-    return False
-
-
-def rocm_built() -> bool:
-    return False
-
-
-def ddl_built() -> bool:
-    return False
-
-
-def ccl_built() -> bool:
     return False
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from hora.core import frontend
+from hora.core import objects
 from hora.core.runtime import ProcessSet, global_process_set
 from hora.errors import HoraError
 from hora.tensorflow import mpi_ops
@@ -51,7 +51,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: st
     for Horovod compatibility and not needed).
     """
     try:
-        return frontend.broadcast_object(obj, root_rank, name, process_set)
+        return objects.broadcast_object(obj, root_rank, name, process_set)
     except HoraError as e:
         raise mpi_ops.CollectiveFailedError(str(e)) from e
 
@@ -69,7 +69,7 @@ def allgather_object(obj: Any, session: Any = None, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list[Any]:
     """Gather one picklable object from every rank of the process set, in rank order."""
     try:
-        return frontend.allgather_object(obj, name, process_set)
+        return objects.allgather_object(obj, name, process_set)
     except HoraError as e:
         raise mpi_ops.CollectiveFailedError(str(e)) from e
 

@@ -27,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from hora.core import collectives, runtime
+from hora.core.api import Adasum, Average, Max, Min, Product, Sum
 from hora.core.collectives import Adapter
 from hora.core.frontend import resolve_op
 from hora.core.ops import CollectiveType, ReduceOp
@@ -35,12 +36,6 @@ from hora.errors import HoraError, UnsupportedError
 
 log = logging.getLogger(__name__)
 
-Average = ReduceOp.AVERAGE
-Sum = ReduceOp.SUM
-Adasum = ReduceOp.ADASUM
-Min = ReduceOp.MIN
-Max = ReduceOp.MAX
-Product = ReduceOp.PRODUCT
 
 _SUPPORTED = (tf.uint8, tf.int8, tf.int16, tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32, tf.float64,
               tf.bool)

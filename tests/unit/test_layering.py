@@ -26,6 +26,10 @@ FORBIDDEN = {
     "hora/torch": (*(b for b in _BINDINGS if b != "hora.torch"), "hora.runner", *_COMMANDS),
     "hora/tensorflow": (*(b for b in _BINDINGS if b != "hora.tensorflow"), "hora.runner", *_COMMANDS),
     "hora/mxnet": (*(b for b in _BINDINGS if b != "hora.mxnet"), "hora.runner", *_COMMANDS),
+    # Keras 3 on its TensorFlow backend reduces inside TF graphs, with hora.tensorflow's graph ops
+    "hora/keras": ("hora.torch", "hora.mxnet", "hora.runner", *_COMMANDS),
+    # what hora.keras and hora.tensorflow.keras share: no binding, no framework (checked below)
+    "hora/_keras": (*_BINDINGS, "hora.runner", *_COMMANDS),
     "hora/runner": (*_COMMANDS, "hora.kvstore", "hora.core"),
     "hora/bench": ("hora.cli", "hora.timeline_cli"),
     "hora/testing": tuple(p for p in _ABOVE_FLOOR if p != "hora.testing"),
@@ -36,7 +40,7 @@ FORBIDDEN = {
 #: package -> frameworks it must not import at module level (a function may, e.g. the torch self-check
 #: ``python -m hora.runner.check`` that runs as a worker).  hora.core is checked by importing it, below.
 NO_FRAMEWORK_AT_IMPORT = ("hora/runner", "hora/testing", "hora/errors.py", "hora/config.py", "hora/envvars.py",
-                          "hora/cli.py")
+                          "hora/cli.py", "hora/_keras")
 
 
 def _imports(path: Path) -> list[str]:

@@ -13,6 +13,15 @@ IN_JOB = any(v in os.environ for v in ("HORA_RANK", "OMPI_COMM_WORLD_RANK", "PMI
 FLAVOUR = os.environ.get("HORA_TEST_KERAS", "tf")
 
 
+def pytest_configure(config):
+    # Every rank runs the same session: give each its own temporary directory, or they remove each other's.
+    if IN_JOB and not config.option.basetemp:
+        import tempfile
+
+        rank = next(os.environ[v] for v in ("HORA_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK") if v in os.environ)
+        config.option.basetemp = tempfile.mkdtemp(prefix=f"hora-tf-tests-rank{rank}-")
+
+
 def pytest_ignore_collect(collection_path, config):
     if not IN_JOB:
         return True

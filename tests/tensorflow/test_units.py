@@ -1,0 +1,64 @@
+"""Single-process checks of the TF/Keras bindings' framework-free parts and refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from hora.core.frontend import resolve_op, warmup_multiplier
+from hora.core.ops import ReduceOp
+from hora.errors import UnsupportedError
+
+
+def test_warmup_goes_from_lr_over_size_to_lr():
+    assert warmup_multiplier(0.0, 4, 5) == pytest.approx(0.25)
+    assert warmup_multiplier(5.0, 4, 5) == pytest.approx(1.0)
+    assert warmup_multiplier(2.5, 4, 5) == pytest.approx(0.625)
+    assert warmup_multiplier(3.0, 1, 5) == pytest.approx(1.0)
+
+
+def test_resolve_op():
+    assert resolve_op(None, None) == ReduceOp.AVERAGE
+    assert resolve_op(False, None) == ReduceOp.SUM
+    assert resolve_op(None, ReduceOp.MAX) == ReduceOp.MAX
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        resolve_op(True, ReduceOp.SUM)
+    with pytest.raises(UnsupportedError, match="Adasum"):
+        resolve_op(None, ReduceOp.ADASUM)
+
+
+def test_keras_on_jax_is_refused_with_the_fix(monkeypatch):
+    keras = pytest.importorskip("keras")
+    import hora.keras as hvd
+
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    with pytest.raises(UnsupportedError, match="KERAS_BACKEND=tensorflow or KERAS_BACKEND=torch"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    with pytest.raises(UnsupportedError, match="jax.jit"):
+        hvd.init()
+
+
+def test_distributed_optimizer_keeps_class_name_config_and_isinstance():
+    keras = pytest.importorskip("keras")
+    import hora.keras as hvd
+
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01, beta_1=0.8), name="mine")
+    assert isinstance(opt, keras.optimizers.Adam) and type(opt).__name__ == "Adam"
+    config = opt.get_config()
+    assert config["beta_1"] == pytest.approx(0.8) and config["name"] == "mine"
+    assert type(opt).from_config(config).get_config() == config
+    # one subclass per optimizer class
+    assert type(hvd.DistributedOptimizer(keras.optimizers.Adam())) is type(opt)
+
+
+def test_tf_collective_error_is_both_kinds_and_picklable():
+    pytest.importorskip("tensorflow")
+    import pickle
+
+    import tensorflow as tf
+
+    from hora.errors import HoraError
+    from hora.tensorflow.mpi_ops import CollectiveFailedError
+
+    err = pickle.loads(pickle.dumps(CollectiveFailedError("allreduce named 'x': rank 0 shape (3,), rank 1 (4,)")))
+    assert isinstance(err, tf.errors.FailedPreconditionError) and isinstance(err, HoraError)
+    assert "named 'x'" in err.message
