@@ -74,6 +74,29 @@ class HoraAllreduceStore(KVStoreBase):
 
     def __init__(self) -> None:
         runtime.init()
+        self._sums: dict[Any, mx.nd.NDArray] = {}  # push results awaiting pull (Module's call pattern)
+
+    def init(self, key: Any, value: Any) -> None:
+        """Give every rank rank 0's value of each key, in place (MXNet stores worker 0's value at init)."""
+        for k, arrays in _pairs(key, value):
+            for i, a in enumerate(arrays):
+                mpi_ops.broadcast_(check_ndarray(a, "init"), 0, name=f"hora.kv.init.{k}.{i}")
+
+    def push(self, key: Any, value: Any, priority: int = 0) -> None:
+        """Sum ``value`` over all ranks; the next ``pull`` of the key reads the sum."""
+        pairs = _pairs(key, value)
+        outs = [mx.nd.zeros(arrays[0].shape, ctx=arrays[0].context, dtype=arrays[0].dtype) for _, arrays in pairs]
+        self.pushpull([k for k, _ in pairs], [v for _, v in pairs], out=outs, priority=priority)
+        self._sums.update({k: o for (k, _), o in zip(pairs, outs, strict=True)})
+
+    def pull(self, key: Any, out: Any = None, priority: int = 0, ignore_sparse: bool = True) -> None:
+        """Copy the sum of the key's last ``push`` into ``out``."""
+        for k, arrays in _pairs(key, out):
+            if k not in self._sums:
+                raise ConfigError(f"pull of key {k!r} before any push: the 'hora' KVStore holds no values, only "
+                                  "the sum of the last push")
+            for a in arrays:
+                self._sums[k].copyto(a)
 
     def broadcast(self, key: Any, value: mx.nd.NDArray, out: Any, priority: int = 0) -> None:
         """Rank 0's ``value`` of ``key`` into every array of ``out``, on every rank."""
