@@ -155,6 +155,7 @@ def _gloo_controller(topology: Topology, config: EngineConfig, rdv: RendezvousCo
         store = connect_store(
             rdv.addr, rdv.port, topology.rank, topology.size,
             is_master=rdv.host_store and topology.rank == 0, timeout_s=config.start_timeout_seconds,
+            secret=rdv.secret,
         )
         hostname = None if rdv.interface else _address_towards(rdv.addr, rdv.port)
     backend = GlooBackend(

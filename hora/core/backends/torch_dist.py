@@ -49,28 +49,69 @@ def _tensor(buf: Array) -> torch.Tensor:
 _STORES: dict[tuple[str, int], dist.Store] = {}
 
 
-def connect_store(addr: str, port: int, rank: int, size: int, is_master: bool, timeout_s: float) -> dist.Store:
+def connect_store(addr: str, port: int, rank: int, size: int, is_master: bool, timeout_s: float,
+                  secret: str | None = None) -> dist.Store:
     """Open (or reuse) the TCP rendezvous store at ``addr:port``.
+
+    The hosting rank listens on ``addr`` only when it is an IP address (as
+    ``hora run`` sets it), not on every interface.  With the job ``secret``
+    (``HORA_SECRET``, set by ``hora run``) the store is wrapped in
+    :class:`~hora.core.backends.signed_store.SignedStore`: values are signed
+    and verified, keys live under a prefix derived from the secret, and every
+    rank checks rank 0's signed job token before joining.
 
     Raises:
         BackendError: the store could not be reached within ``timeout_s``,
-            naming the address so a wrong interface or a firewall is easy to spot.
+            naming the address so a wrong interface or a firewall is easy to spot,
+            or it is not this job's store.
     """
     key = (addr, port)
     store = _STORES.get(key)
     if store is None:
+        import ipaddress
+        import socket
+
+        listen_fd = None
+        try:
+            literal = bool(ipaddress.ip_address(addr))
+        except ValueError:
+            literal = False  # a host name may resolve to another address here (127.0.1.1) than elsewhere
+        if is_master and literal:
+            try:
+                listener = socket.create_server((addr, port), backlog=1024)
+                listen_fd = listener.detach()
+            except OSError as e:
+                raise BackendError(f"rank {rank} cannot host the rendezvous store on {addr}:{port} ({e}); is the "
+                                   "port in use, and is the rendezvous address one of this host's?") from e
         try:
             store = dist.TCPStore(
                 addr, port, world_size=None, is_master=is_master,
-                timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False, master_listen_fd=listen_fd,
             )
         except Exception as e:
             raise BackendError(
                 f"rank {rank} could not reach the rendezvous store at {addr}:{port} within {timeout_s:g} s "
                 f"({e}). Check that rank 0 is running, the address/port are reachable, or raise --start-timeout."
             ) from e
+        if secret:
+            from hora.core.backends import signed_store
+
+            store = signed_store.SignedStore(store, secret, timeout_s)
+            if rank == 0:
+                signed_store.write_token(store)
+            else:
+                signed_store.check_token(store, f"{addr}:{port}")
         _STORES[key] = store
     return store
+
+
+def release_store(addr: str, port: int) -> None:
+    """Forget the store at ``addr:port``, so it closes once its process groups are gone.
+
+    Elastic jobs open a store per rendezvous round, each on its own port;
+    without this every round would keep its listener and connections open.
+    """
+    _STORES.pop((addr, port), None)
 
 
 class TorchDistBackend(Backend):
