@@ -80,6 +80,27 @@ def test_secret_mismatch_is_a_clear_error(tmp_path):
         assert float(r.lines("AFTER")[0]) < 10, c.report()
 
 
+@pytest.mark.parametrize("encrypt", ["0", "1"])
+def test_secret_mismatch_is_refused_at_the_handshake(tmp_path, encrypt):
+    """A wrong secret never gets past the ZeroMQ handshake, in either mode; the scheduler logs the refusal."""
+    with Cluster(tmp_path, 1, 1, env={**FAST, "HORA_PS_ENCRYPT": encrypt}) as c:
+        c.start_roles()
+        r = c.finish(c.start_worker("join_only", env={"HORA_SECRET": "a different secret"}), 30)
+        message = _raised(r, "AuthError")
+        assert "refused" in message and "handshake" in message, message
+        c.kill(c.scheduler)
+        assert "refused a connection" in c.output("scheduler"), c.report()
+        assert "bad message" not in c.output("scheduler"), c.report()  # nothing reached the decoder
+
+
+def test_encryption_mismatch_between_roles_is_a_clear_error(tmp_path):
+    with Cluster(tmp_path, 1, 1, env=FAST) as c:
+        c.start_roles()
+        r = c.finish(c.start_worker("join_only", env={"HORA_PS_ENCRYPT": "1"}), 30)
+        message = _raised(r, "AuthError")
+        assert "HORA_PS_ENCRYPT" in message, message
+
+
 def test_no_scheduler_is_a_clear_error(tmp_path):
     with Cluster(tmp_path, 1, 1, env={"HORA_PS_START_TIMEOUT": "2"}) as c:
         r = c.finish(c.start_worker("join_only"), 30)

@@ -22,6 +22,7 @@ SPLIT = {"HORA_PS_BIGARRAY_BOUND": "1000", "HORA_PS_PART_BYTES": "1024"}  # big 
     (2, 1, "float32", "int", {}),
     (3, 2, "float64", "str", SPLIT),
     (2, 2, "int64", "int", {"HORA_PS_BIGARRAY_BOUND": "1000"}),
+    (2, 2, "float32", "str", {**SPLIT, "HORA_PS_ENCRYPT": "1", "HORA_PS_SHM": "0"}),  # CURVE on every connection
 ])
 def test_sync_sums_are_exact(tmp_path, workers, servers, dtype, kind, env):
     """Every pull returns the exact sum of the round's pushes; big keys are split and reassembled."""

@@ -111,9 +111,12 @@ class SchedulerLink:
         event = zmq.utils.monitor.recv_monitor_message(self._monitor)["event"]
         how = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "our credentials were refused",
                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the security mechanisms differ"}.get(event, "the key differs")
+        nat = "" if self.config.encrypt else (
+            "; with HORA_PS_ENCRYPT=0 the listener must also see the address this host connects from (no NAT "
+            "between the hosts; across NAT use HORA_PS_ENCRYPT=1)")
         raise AuthError(f"the scheduler at {self.endpoint} refused this {self.role}'s connection at the handshake "
                         f"({how}). Every role of a job must have the same HORA_SECRET and the same HORA_PS_ENCRYPT "
-                        f"(this {self.role}: HORA_PS_ENCRYPT={int(self.config.encrypt)})")
+                        f"(this {self.role}: HORA_PS_ENCRYPT={int(self.config.encrypt)}){nat}")
 
     def _stop_monitor(self) -> None:
         if self._monitor is not None:
