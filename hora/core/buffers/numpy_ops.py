@@ -98,13 +98,16 @@ class NumpyOps(ArrayOps):
     def scale_(self, a: Array, factor: float) -> None:
         if factor == 1.0:
             return
-        if a.dtype.kind == "f" or a.dtype.name == "bfloat16":
+        if a.dtype.itemsize < 4 and (a.dtype.kind == "f" or a.dtype.name == "bfloat16"):
+            # NumPy would round the factor to half precision first; torch and Horovod multiply in float32.
+            np.copyto(a, a.astype(np.float32) * np.float32(factor), casting="unsafe")
+        elif a.dtype.kind == "f":
             np.multiply(a, factor, out=a, casting="unsafe")
         else:
             np.copyto(a, np.trunc(a.astype(np.float64) * factor), casting="unsafe")
 
     def scaled_copy_(self, dst: Array, src: Array, factor: float) -> None:
-        if factor != 1.0 and dst.dtype.kind == "f":
+        if factor != 1.0 and dst.dtype.kind == "f" and dst.dtype.itemsize >= 4:
             np.multiply(src.reshape(dst.shape), factor, out=dst, casting="unsafe")
         else:
             self.copy_(dst, src)
