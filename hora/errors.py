@@ -101,6 +101,28 @@ class WorkerFailedError(LaunchError):
         return (type(self), (self.rank, self.exitcode, self.host, self.stderr_tail))
 
 
+class ActorFailedError(LaunchError):
+    """A worker actor of :class:`hora.ray.RayExecutor` raised or died; the executor has torn the job down.
+
+    ``rank``, ``actor`` (Ray's actor id), ``node`` (the node's IP address) and
+    ``cause`` (the exception raised, or why Ray says the actor died) name it.
+    """
+
+    def __init__(self, rank: int, actor: str, node: str, cause: str) -> None:
+        self.rank = rank
+        self.actor = actor
+        self.node = node
+        self.cause = cause
+        super().__init__(f"rank {rank} (Ray actor {actor} on node {node}) {cause}")
+
+    def __reduce__(self):
+        return (type(self), (self.rank, self.actor, self.node, self.cause))
+
+
+class PlacementTimeoutError(LaunchError, TimeoutError):
+    """The Ray cluster could not place the workers' placement group within its timeout."""
+
+
 class PSError(HoraError):
     """The parameter-server job failed: a server rejected a request, or the job ended."""
 

@@ -42,6 +42,13 @@ FORBIDDEN = {
 NO_FRAMEWORK_AT_IMPORT = ("hora/runner", "hora/testing", "hora/errors.py", "hora/config.py", "hora/envvars.py",
                           "hora/cli.py", "hora/_keras")
 
+# The Ray executor sits on the runner: it imports no binding (nor a framework at import), nothing below imports it.
+FORBIDDEN["hora/ray"] = (*_BINDINGS, "hora.kvstore", *_COMMANDS)
+for _below in ("hora/core", "hora/kvstore", "hora/torch", "hora/tensorflow", "hora/mxnet", "hora/keras", "hora/_keras",
+               "hora/runner", "hora/testing", "hora/errors.py", "hora/envvars.py", "hora/config.py"):
+    FORBIDDEN[_below] = (*FORBIDDEN[_below], "hora.ray")
+NO_FRAMEWORK_AT_IMPORT = (*NO_FRAMEWORK_AT_IMPORT, "hora/ray")
+
 
 def _imports(path: Path) -> list[str]:
     tree = ast.parse(path.read_text())
@@ -118,7 +125,7 @@ def test_importing_the_framework_neutral_layers_imports_no_framework():
 
     code = (
         "import importlib, pkgutil, sys\n"
-        "import hora.core, hora.config, hora.errors, hora.envvars, hora.runner, hora.testing\n"
+        "import hora.core, hora.config, hora.errors, hora.envvars, hora.runner, hora.testing, hora.ray\n"
         "for m in pkgutil.walk_packages(hora.runner.__path__, 'hora.runner.'):\n"
         "    importlib.import_module(m.name)\n"
         f"print(sorted(f for f in {FRAMEWORKS!r} if f in sys.modules))\n"
@@ -164,7 +171,7 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-@pytest.mark.parametrize("target", ["hora/runner", "hora/bench", "hora/testing"])
+@pytest.mark.parametrize("target", ["hora/runner", "hora/ray", "hora/bench", "hora/testing"])
 def test_no_import_cycles_between_files(target):
     """Two files never import each other, directly or round a longer loop (function-level imports count)."""
     files = {_module_name(f): f for f in _files(target)}
