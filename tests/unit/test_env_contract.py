@@ -20,6 +20,7 @@ import pytest
 from hora import envvars
 from hora.config import EngineConfig, MiB, PSConfig, RendezvousConfig
 from hora.core import topology
+from hora.ray import plan as ray_plan
 from hora.runner import agent
 from hora.runner.config import HostSlots, LaunchConfig
 from hora.runner.env import Endpoints, build_env
@@ -203,6 +204,30 @@ def test_srun_exports_everything_and_slurm_variables_place_the_ranks():
         assert worker.topology.launcher == "slurm"
         assert (worker.rendezvous.addr, worker.rendezvous.port) == ("10.0.0.1", 29500)
         worker.assert_reads_every_hora_variable()
+
+
+def test_ray_actors_read_their_place_and_the_job():
+    """hora.ray: ranks from where Ray placed the actors (two nodes, created interleaved), the job's env as gloo."""
+    infos = [ray_plan.ActorInfo(node_id=node, node_ip=ip, hostname=node, pid=1)
+             for _ in range(2) for node, ip in (("n2", "10.0.0.2"), ("n1", "10.0.0.1"))]
+    slots = ray_plan.assign(infos)
+    env, _ = ray_plan.job_env(num_workers=4, local_size=2, endpoints=Endpoints(addr="10.0.0.1", port=29500),
+                         settings=ray_plan.RaySettings(timeout_s=12, nics=("eth7",)), cpus_per_worker=2,
+                         extra_env_vars={}, driver_env={})
+    seen = []
+    for info, slot in zip(infos, slots, strict=True):
+        worker = Worker({**env, **slot.env()})
+        assert set(envvars.WORKER_ENV) <= set(worker.env)
+        assert worker.placement() == placement(slot)
+        assert worker.topology.launcher == "hora" and worker.topology.hostname == info.node_ip
+        assert (worker.rendezvous.addr, worker.rendezvous.port) == ("10.0.0.1", 29500)
+        assert worker.rendezvous.secret == env[envvars.HORA_SECRET] and worker.rendezvous.interface == "eth7"
+        assert worker.engine.controller == "gloo" and worker.engine.start_timeout_seconds == 12
+        assert worker.env[envvars.OMP_NUM_THREADS] == "2"
+        worker.assert_reads_every_hora_variable()
+        seen.append((info.node_ip, *worker.placement()))
+    assert sorted(seen) == [("10.0.0.1", 0, 4, 0, 2, 0, 2), ("10.0.0.1", 1, 4, 1, 2, 0, 2),
+                            ("10.0.0.2", 2, 4, 0, 2, 1, 2), ("10.0.0.2", 3, 4, 1, 2, 1, 2)]
 
 
 def test_a_nested_launch_does_not_inherit_the_outer_jobs_place():
