@@ -26,6 +26,7 @@ from pathlib import Path
 import ps_attack
 import psutil
 import pytest
+import zmq
 from ps_cluster import ROOT, WORKERS, Cluster
 from ps_fuzz import bad_messages
 
@@ -202,11 +203,48 @@ def test_hora_run_job_survives_squatting_and_floods(tmp_path):
     assert all(g < 100 * MiB for g in growth), (growth, text)
 
 
+@pytest.mark.slow
+def test_an_insider_flood_of_frames_does_not_starve_heartbeats(tmp_path):
+    """Past the handshake (a buggy peer with the secret), million-frame messages are discarded while read,
+    a bounded number of frames per loop turn, so the server keeps heartbeating: with a 4 s dead-peer timeout
+    nobody is declared dead and every sum stays exact."""
+    from hora.kvstore.ps import secure
+
+    def insider_flood(endpoint: str) -> None:
+        creds = secure.credentials(b"test-secret", False)
+        peers = ps_attack.Peers()
+        try:
+            for i in range(2):
+                sock = peers.ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.ROUTING_ID, b"flood%d" % i)
+                secure.secure_connect(sock, creds, endpoint)
+                peers.socks.append(sock)
+            frames = [b""] * 1_000_000
+            for _ in range(2):
+                for sock in peers.socks:
+                    sock.send_multipart(frames)
+            time.sleep(1.0)
+        finally:
+            peers.close()
+
+    with Cluster(tmp_path, 2, 1, env={**ENV, "HORA_PS_TIMEOUT": "4"}) as c:
+        c.start_roles()
+        stop = c.dir / "stop"
+        workers = [c.start_worker("steady", str(stop), "10", "150", rank=r) for r in range(2)]
+        _wait_ready(c, workers, c.dir)
+        insider_flood(ps_attack.listening_endpoint(c.servers[0].pid))
+        stop.touch()
+        results = [c.finish(w, 120) for w in workers]
+        assert [r.returncode for r in results] == [0, 0], c.report()
+        assert c.wait_roles(60) == [0, 0], c.report()
+        assert "was lost" not in c.output("scheduler"), c.report()
+        assert "a message of 1000000 frames" in c.output("server0"), c.report()
+
+
 def test_a_role_with_the_secret_still_gets_through_a_late_handover(tmp_path):
     """A legitimate connection that claims a routing id already held (here by a stale connection of the same
     job) takes it over instead of being discarded silently (ROUTER_HANDOVER)."""
-    import zmq
-
     from hora.kvstore.ps import secure
 
     creds = secure.credentials(b"k", False)

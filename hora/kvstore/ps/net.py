@@ -216,7 +216,8 @@ class Receiver:
 
     def __init__(self, sock: zmq.Socket, max_frames: int, drops: DropLog, peer: str = "") -> None:
         self.sock = sock
-        self.limit = max_frames + (1 if sock.socket_type == zmq.ROUTER else 0)
+        self.max_frames = max_frames
+        self.limit = max_frames + (1 if sock.socket_type == zmq.ROUTER else 0)  # with the routing frame
         self.drops = drops
         self.peer = peer  # names the sender in logs for a connecting socket; a ROUTER's frames name it
         self._parts: list[zmq.Frame] = []
@@ -241,7 +242,8 @@ class Receiver:
             parts, count = self._parts, self._count
             self._parts, self._count = [], 0
             if count > self.limit:
-                self.drops.drop(f"a message of {count} frames (at most {self.limit} are read)",
+                self.drops.drop(f"a message of {count - self.limit + self.max_frames} frames (at most "
+                                f"{self.max_frames} are read)",
                                 self.peer or peer_address(parts[0]))
                 continue
             yield parts
