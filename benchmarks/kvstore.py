@@ -11,13 +11,21 @@ size (4 MiB and 64 MiB by default) through
 
 and prints one markdown table: the median push+pull time per iteration of
 the slowest worker, the cost model's time, hora over MXNet, each row over
-allreduce and over its own single-server time.  hora rows that this checkout
+allreduce and over its own single-server time.
+
+``--transports shm,tcp,curve`` instead compares hora's own transports in one
+run (issue 19): shared memory (the default on one host), the socket
+(``HORA_PS_SHM=0``, handshake-authenticated, HMAC per message) and the
+socket with CURVE encryption (``HORA_PS_SHM=0 HORA_PS_ENCRYPT=1``), each
+``--repeat`` times, interleaved, so that load drifts hit every transport
+alike.  hora rows that this checkout
 cannot run yet (no ``hora.kvstore.dist``, or ``hora run`` without ``-s``) are
 skipped with the reason.  All roles share this host's cores, so the machine
 should be quiet::
 
     python benchmarks/kvstore.py
     python benchmarks/kvstore.py --workers 2 --servers 1,2 --sizes 4MiB,16MiB,64MiB --iters 10 --json kv.json
+    python benchmarks/kvstore.py --transports shm,tcp,curve --servers 1 --sizes 64MiB --iters 30 --repeat 3
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ from hora.errors import HoraError  # noqa: E402
 PEER_DIR = REPO / "benchmarks" / "mxnet_peer"
 DEFAULT_VENV = Path.home() / ".cache" / "hora" / "mxnet-venv"
 MXNET = "mxnet 1.9.1 dist_sync"
+#: hora's parameter-server transports, as the environment of every role.
+TRANSPORTS = {"shm": {}, "tcp": {"HORA_PS_SHM": "0"}, "curve": {"HORA_PS_SHM": "0", "HORA_PS_ENCRYPT": "1"}}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", choices=("gloo", "mpi"), default="gloo", help="hora controller of the workers")
     p.add_argument("--no-mxnet", action="store_true", help="skip the MXNet peer")
     p.add_argument("--no-allreduce", action="store_true", help="skip hora's dist_sync_allreduce row")
+    p.add_argument("--transports", default="", help=f"compare hora's transports instead ({', '.join(TRANSPORTS)})")
+    p.add_argument("--repeat", type=int, default=1, help="with --transports: interleaved runs of each")
     p.add_argument("--mxnet-venv", type=Path, default=Path(os.environ.get("HORA_MXNET_VENV", DEFAULT_VENV)),
                    help="venv of the MXNet peer (created by setup.sh when missing)")
     p.add_argument("--link", default="auto", help="link rate for the cost model ('auto': loopback measured)")
@@ -67,6 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.server_list = [int(s) for s in args.servers.split(",") if s.strip()]
     except (HoraError, ValueError) as e:
         p.error(str(e))
+    args.transport_list = [t.strip() for t in args.transports.split(",") if t.strip()]
+    unknown = [t for t in args.transport_list if t not in TRANSPORTS]
+    if unknown or args.repeat < 1:
+        p.error(f"unknown transports {unknown} (choose from {', '.join(TRANSPORTS)}) or --repeat {args.repeat} < 1")
     if args.workers < 1 or not args.server_list or min(args.server_list) < 1:
         p.error(f"need --workers >= 1 and server counts >= 1, got {args.workers} and {args.servers}")
     return args
@@ -126,11 +142,58 @@ def comparison_table(rows: list[dict[str, Any]]) -> str:
     return markdown_table(headers, body)
 
 
+def transport_rows(args: argparse.Namespace, options: RunOptions, model: Any) -> list[dict[str, Any]]:
+    """hora ``dist_sync`` over each of ``args.transport_list``, ``args.repeat`` interleaved rounds; one row per
+    (round, transport, servers, size), tagged with ``transport`` and ``round``."""
+    config = hkv.KVStoreConfig(sizes=args.size_list, workers=args.workers, servers=args.server_list,
+                               allreduce=False, backend=args.backend, iters=args.iters, warmup=args.warmup)
+    rows: list[dict[str, Any]] = []
+    for round_ in range(args.repeat):
+        for name in args.transport_list:
+            print(f"hora dist_sync over {name} (round {round_ + 1}/{args.repeat}) ...", file=sys.stderr, flush=True)
+            saved = {k: os.environ.get(k) for k in ("HORA_PS_SHM", "HORA_PS_ENCRYPT")}
+            os.environ.update(TRANSPORTS[name])  # every role of the job inherits it
+            try:
+                for row in hkv.run(config, options, model):
+                    rows.append({**row, "transport": name, "round": round_})
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+    return rows
+
+
+def transport_table(rows: list[dict[str, Any]]) -> str:
+    """Per (size, servers): each transport's median over rounds (and its spread), and over the first transport."""
+    names = list(dict.fromkeys(r["transport"] for r in rows))
+    body = []
+    for nbytes, servers in sorted({(r["bytes"], r["servers"]) for r in rows}):
+        times = {n: sorted(r["time_s"] for r in rows if r["transport"] == n and r["bytes"] == nbytes
+                           and r["servers"] == servers) for n in names}
+        median = {n: t[len(t) // 2] for n, t in times.items()}
+        for n in names:
+            spread = ", ".join(fmt_seconds(x) for x in times[n])
+            body.append([fmt_bytes(nbytes), str(servers), n, fmt_seconds(median[n]), spread,
+                         fmt_ratio(ratio(median[n], median[names[0]]))])
+    return markdown_table(["size", "servers", "transport", "push+pull (median)", "each round",
+                           f"over {names[0]}"], body)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run MXNet, then hora; print the tables; write JSON."""
     args = parse_args(argv)
     options = RunOptions(timeout_s=args.timeout)
     model = cost_model(args.link, None, options)
+    if args.transport_list:
+        rows = transport_rows(args, options, model)
+        print(f"\n{args.workers} workers on localhost, {args.repeat} interleaved round(s)\n")
+        print(transport_table(rows))
+        if args.json is not None:
+            write_json({"benchmark": "kvstore-transports", "machine": machine(), "model": model_doc(model),
+                        "rows": rows}, str(args.json))
+        return 0
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
     raw_mxnet = []
