@@ -275,6 +275,61 @@ class RendezvousConfig:
         )
 
 
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ElasticConfig:
+    """A worker's view of an elastic job (``hora run`` with an elastic driver).
+
+    Attributes:
+        driver_addr: where the driver listens (``HORA_ELASTIC_DRIVER_ADDR``);
+            None outside elastic jobs.
+        driver_port: its port (``HORA_ELASTIC_DRIVER_PORT``).
+        worker_id: the driver's name for this process (``HORA_ELASTIC_WORKER_ID``).
+        secret: the job secret authenticating every message (``HORA_SECRET``).
+        timeout_s: how long ``init()`` waits for the driver to form the next
+            round (``HORA_ELASTIC_TIMEOUT``, ``HOROVOD_ELASTIC_TIMEOUT``, default 600).
+        collective_timeout_s: gloo's per-collective timeout in elastic jobs
+            (``HORA_ELASTIC_COLLECTIVE_TIMEOUT``, default 60): a peer that
+            vanished without closing its connections is given up after this long.
+            A peer that dies is noticed at once, from its closed connections.
+    """
+
+    driver_addr: str | None = None
+    driver_port: int | None = None
+    worker_id: str | None = None
+    secret: str | None = None
+    timeout_s: float = 600.0
+    collective_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0 or self.collective_timeout_s <= 0:
+            raise ConfigError(f"HORA_ELASTIC_TIMEOUT={self.timeout_s} and HORA_ELASTIC_COLLECTIVE_TIMEOUT="
+                              f"{self.collective_timeout_s} must be > 0 seconds")
+        if self.driver_addr is not None and (self.driver_port is None or not self.worker_id):
+            raise ConfigError("an elastic worker needs HORA_ELASTIC_DRIVER_PORT and HORA_ELASTIC_WORKER_ID beside "
+                              "HORA_ELASTIC_DRIVER_ADDR; start elastic jobs with hora run")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this process is a worker of an elastic job."""
+        return self.driver_addr is not None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ElasticConfig:
+        """Build the config from the environment the elastic driver set."""
+        env = os.environ if env is None else env
+        port = _lookup(env, envvars.HORA_ELASTIC_DRIVER_PORT)
+        if port is not None and not port.isdigit():
+            raise ConfigError(f"{envvars.HORA_ELASTIC_DRIVER_PORT}={port!r} is not a port number")
+        return cls(
+            driver_addr=_lookup(env, envvars.HORA_ELASTIC_DRIVER_ADDR),
+            driver_port=int(port) if port is not None else None,
+            worker_id=_lookup(env, envvars.HORA_ELASTIC_WORKER_ID),
+            secret=_lookup(env, envvars.HORA_SECRET),
+            timeout_s=_as_float(env, (envvars.HORA_ELASTIC_TIMEOUT, envvars.HOROVOD_ELASTIC_TIMEOUT), 600.0),
+            collective_timeout_s=_as_float(env, (envvars.HORA_ELASTIC_COLLECTIVE_TIMEOUT,), 60.0),
+        )
+
+
 def interface_names(value: str) -> list[str]:
     """The interfaces of a comma-separated list (``eth0,eth1``), as ``GLOO_SOCKET_IFNAME`` takes them."""
     return [name.strip() for name in value.split(",") if name.strip()]

@@ -73,6 +73,25 @@ HORA_RENDEZVOUS_PORT = "HORA_RENDEZVOUS_PORT"
 HORA_SECRET = "HORA_SECRET"
 HORA_NETWORK_INTERFACE = "HORA_NETWORK_INTERFACE"
 
+# -- elastic jobs (hora run --host-discovery-script / --min-np / --max-np): set by the elastic driver --------
+
+#: where the elastic driver (inside hora run) listens; the worker's ``init()`` asks it for a rank
+HORA_ELASTIC_DRIVER_ADDR = "HORA_ELASTIC_DRIVER_ADDR"
+HORA_ELASTIC_DRIVER_PORT = "HORA_ELASTIC_DRIVER_PORT"
+#: the driver's name for one worker process, stable across its rendezvous rounds
+HORA_ELASTIC_WORKER_ID = "HORA_ELASTIC_WORKER_ID"
+#: the rendezvous round the worker's current ring belongs to (set in the worker by ``init()``)
+HORA_ELASTIC_ROUND = "HORA_ELASTIC_ROUND"
+#: seconds a worker waits for its next round, and the driver for --min-np slots (``--elastic-timeout``)
+HORA_ELASTIC_TIMEOUT = "HORA_ELASTIC_TIMEOUT"
+HOROVOD_ELASTIC_TIMEOUT = "HOROVOD_ELASTIC_TIMEOUT"
+#: gloo's per-collective timeout in elastic jobs (seconds): how long a rank waits on a peer that
+#: neither answers nor closes its connections (a host that vanished) before it raises
+HORA_ELASTIC_COLLECTIVE_TIMEOUT = "HORA_ELASTIC_COLLECTIVE_TIMEOUT"
+
+#: What the elastic driver sets for each worker, beside :data:`JOB`.
+ELASTIC_WORKER = (HORA_ELASTIC_DRIVER_ADDR, HORA_ELASTIC_DRIVER_PORT, HORA_ELASTIC_WORKER_ID)
+
 #: What every process of a hora run job gets, whichever launcher started it.
 JOB = (HORA_CONTROLLER, HORA_RENDEZVOUS_ADDR, HORA_RENDEZVOUS_PORT, HORA_SECRET)
 #: What a worker started by hora's own processes (local, ssh) gets; under mpirun and srun

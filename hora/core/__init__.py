@@ -67,7 +67,8 @@ import logging
 import sys
 from collections.abc import Mapping
 
-from hora.config import EngineConfig, RendezvousConfig, environ
+from hora import envvars
+from hora.config import ElasticConfig, EngineConfig, RendezvousConfig, environ
 from hora.core.allocator import tune_malloc
 from hora.core.backends.base import Backend
 from hora.core.engine import Engine
@@ -102,14 +103,24 @@ def start_engine(config: EngineConfig | None = None, env: Mapping[str, str] | No
     config = EngineConfig.from_env(env) if config is None else config
     if config.malloc_tuning:
         tune_malloc(env)
+    elastic = ElasticConfig.from_env(env)
+    if elastic.enabled:  # a worker of hora run's elastic driver: this round's rank and store come from it
+        from hora.core.elastic import worker
+
+        env = worker.rendezvous(elastic, env)
     topology = detect(env)
     controller_name = choose_controller(config, topology)
-    generation = next(_generation)
+    # Every rank of a ring must use the same store prefix: the round number in elastic jobs, where
+    # ranks have initialised different numbers of times, else this process's count of inits.
+    generation = f"e{env[envvars.HORA_ELASTIC_ROUND]}" if elastic.enabled else f"g{next(_generation)}"
     store = None
     if controller_name == "mpi":
+        if elastic.enabled:
+            raise ConfigError("elastic training needs the gloo controller (MPI's world is fixed): run with --gloo")
         controller = _mpi_controller(topology)
     else:
-        controller, store = _gloo_controller(topology, config, RendezvousConfig.from_env(env), generation)
+        timeout = elastic.collective_timeout_s if elastic.enabled else None
+        controller, store = _gloo_controller(topology, config, RendezvousConfig.from_env(env), generation, timeout)
     data_backends: dict[str, Backend] = {}
     nccl = _maybe_nccl(controller, store, config, generation)
     if nccl is not None:
@@ -130,7 +141,8 @@ def _mpi_controller(topology: Topology) -> Backend:
     return backend
 
 
-def _gloo_controller(topology: Topology, config: EngineConfig, rdv: RendezvousConfig, generation: int):
+def _gloo_controller(topology: Topology, config: EngineConfig, rdv: RendezvousConfig, generation: str,
+                     collective_timeout: float | None = None):
     try:
         import torch.distributed as dist
     except ImportError as e:
@@ -159,8 +171,9 @@ def _gloo_controller(topology: Topology, config: EngineConfig, rdv: RendezvousCo
         )
         hostname = None if rdv.interface else _address_towards(rdv.addr, rdv.port)
     backend = GlooBackend(
-        store, topology.rank, topology.size, prefix=f"hora/g{generation}",
-        timeout_s=max(config.start_timeout_seconds, 300.0), interface=rdv.interface, hostname=hostname,
+        store, topology.rank, topology.size, prefix=f"hora/{generation}",
+        timeout_s=collective_timeout or max(config.start_timeout_seconds, 300.0), interface=rdv.interface,
+        hostname=hostname,
         devices=rdv.gloo_devices,
     )
     return backend, store
@@ -186,7 +199,7 @@ def _address_towards(addr: str, port: int) -> str:
                           "check HORA_RENDEZVOUS_ADDR or choose the interface with --network-interface") from e
 
 
-def _maybe_nccl(controller: Backend, store, config: EngineConfig, generation: int) -> Backend | None:
+def _maybe_nccl(controller: Backend, store, config: EngineConfig, generation: str) -> Backend | None:
     # Only a process that already uses torch can hand hora CUDA tensors: never import it here.
     if "torch" not in sys.modules:
         return None

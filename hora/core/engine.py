@@ -299,11 +299,15 @@ class Engine:
                 f"hora engine failed on rank {self.rank}: {type(e).__name__}: {e}. This usually means another "
                 "rank exited or crashed; look for the first error in the other ranks' output")
             err.__cause__ = e
+            e.__traceback__ = None  # its frames hold the failed collective's work, which keeps connections open
             log.error("%s", err)
             self._fail_everything(err)
         self._stopped.set()
         with self._cv:
             self._cv.notify_all()
+        if self._failure is not None:
+            # Close this rank's connections now: a peer blocked on us must fail at once, not at gloo's timeout.
+            self._teardown_backends(from_round=True)
         return False
 
     def _wait_for_work(self) -> bool:
@@ -521,8 +525,8 @@ class Engine:
             join.set_error(error)
         self._stopped.set()
 
-    def _teardown_backends(self) -> None:
-        if self._thread.is_alive():
+    def _teardown_backends(self, from_round: bool = False) -> None:
+        if self._thread.is_alive() and not from_round:
             return  # the thread may still be inside the backend
         for pset in list(self.process_sets.values())[1:]:
             for backend in self._backends.values():

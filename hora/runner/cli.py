@@ -101,6 +101,26 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     tune.add_argument("--autotune-log-file", dest="autotune_log_file", metavar="FILE",
                       help="with --autotune: write every trial and the chosen settings to this CSV file")
 
+    elastic = parser.add_argument_group("elastic training (workers join and leave; gloo only)")
+    elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int, metavar="N",
+                         help="fewest processes to train with; below it the job waits up to --elastic-timeout "
+                              "(default: -np). Any elastic flag makes the job elastic")
+    elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int, metavar="N",
+                         help="most processes (default: every free slot)")
+    elastic.add_argument("--slots-per-host", "--slots", dest="slots_per_host", type=int, metavar="N",
+                         help="slots of a discovered host whose line gives no count (default 1)")
+    elastic.add_argument("--host-discovery-script", dest="host_discovery_script", metavar="SCRIPT",
+                         help="executable printing the usable hosts, one 'host:slots' per line; run every second")
+    elastic.add_argument("--elastic-timeout", dest="elastic_timeout", type=float, metavar="SECONDS",
+                         help="how long the job may have fewer than --min-np processes before it fails "
+                              "(default: $HOROVOD_ELASTIC_TIMEOUT or 600)")
+    elastic.add_argument("--reset-limit", dest="reset_limit", type=int, metavar="N",
+                         help="fail the job when the ring re-forms more than N times")
+    elastic.add_argument("--blacklist-cooldown-range", dest="blacklist_cooldown_range", type=float, nargs=2,
+                         metavar=("MIN", "MAX"),
+                         help="a host whose worker failed may return after MIN seconds, doubling per failure up "
+                              "to MAX (default: blacklisted for good)")
+
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments ('--' optional)")
 
 
@@ -128,9 +148,12 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
             raise ConfigError(f"-np {num_proc} and -n {args.num_workers} disagree; give one of them")
         num_proc = args.num_workers
     if num_proc is None:
-        if hosts is None:
+        if getattr(args, "host_discovery_script", None) or getattr(args, "min_np", None):
+            num_proc = args.min_np or 1
+        elif hosts is None:
             raise ConfigError("the number of processes is missing: give -np N")
-        num_proc = sum(h.slots for h in hosts)
+        else:
+            num_proc = sum(h.slots for h in hosts)
     num_servers = args.num_servers
     if num_servers is None:
         raw = os.environ.get(envvars.DMLC_NUM_SERVER, "0") or "0"
@@ -159,6 +182,28 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         ssh_config_file=args.ssh_config_file,
         ssh_connect_timeout=args.ssh_connect_timeout,
         sync_dst_dir=args.sync_dst_dir,
+        **_elastic_fields(args),
+    )
+
+
+def _elastic_fields(args: argparse.Namespace) -> dict[str, object]:
+    """The elastic flags as :class:`LaunchConfig` fields (``--elastic-timeout`` falls back to the environment)."""
+    timeout = getattr(args, "elastic_timeout", None)
+    if timeout is None:
+        raw = os.environ.get(envvars.HORA_ELASTIC_TIMEOUT) or os.environ.get(envvars.HOROVOD_ELASTIC_TIMEOUT)
+        try:
+            timeout = float(raw) if raw else 600.0
+        except ValueError:
+            raise ConfigError(f"{envvars.HOROVOD_ELASTIC_TIMEOUT}={raw!r} is not a number of seconds") from None
+    cooldown = getattr(args, "blacklist_cooldown_range", None)
+    return dict(
+        min_np=getattr(args, "min_np", None),
+        max_np=getattr(args, "max_np", None),
+        slots_per_host=getattr(args, "slots_per_host", None),
+        host_discovery_script=getattr(args, "host_discovery_script", None),
+        elastic_timeout=timeout,
+        reset_limit=getattr(args, "reset_limit", None),
+        blacklist_cooldown_range=tuple(cooldown) if cooldown else None,
     )
 
 

@@ -267,6 +267,16 @@ class LaunchConfig:
         ssh_connect_timeout: seconds to reach a host before it counts as unreachable.
         sync_dst_dir: copy the working directory to this absolute path on
             every host first, and run there (ssh launcher).
+        min_np: elastic: fewest workers to train with (``--min-np``); any
+            elastic flag makes the job elastic (:mod:`hora.runner.elastic`).
+        max_np: elastic: most workers (``--max-np``); None: every free slot.
+        slots_per_host: elastic: slots of a discovered host that gives no count (``--slots-per-host``).
+        host_discovery_script: elastic: executable printing ``host:slots`` lines (``--host-discovery-script``).
+        elastic_timeout: elastic: seconds the job may have fewer than ``min_np`` workers
+            (``--elastic-timeout``, ``HOROVOD_ELASTIC_TIMEOUT``).
+        reset_limit: elastic: most re-formations of the ring (``--reset-limit``).
+        blacklist_cooldown_range: elastic: ``(min, max)`` seconds of a failed
+            host's exponential cool-down (``--blacklist-cooldown-range``); None: blacklisted for good.
     """
 
     command: Sequence[str]
@@ -292,6 +302,13 @@ class LaunchConfig:
     ssh_config_file: str | None = None
     ssh_connect_timeout: float = 10.0
     sync_dst_dir: str | None = None
+    min_np: int | None = None
+    max_np: int | None = None
+    slots_per_host: int | None = None
+    host_discovery_script: str | None = None
+    elastic_timeout: float = 600.0
+    reset_limit: int | None = None
+    blacklist_cooldown_range: tuple[float, float] | None = None
     #: True when neither a controller nor a launcher was asked for and MPI was picked because it is installed.
     mpi_by_default: bool = dataclasses.field(default=False, init=False)
 
@@ -305,6 +322,7 @@ class LaunchConfig:
             raise ConfigError(f"-np {self.num_proc} must be at least 1")
         self._check_hosts()
         self._check_server_hosts()
+        self._check_elastic()
         self._check_strategy()
         self._check_knobs()
         self._check_ssh()
@@ -399,6 +417,49 @@ class LaunchConfig:
                 f"--sync-dst-dir copies files to other hosts over ssh; it needs the ssh launcher, "
                 f"not --launcher {self.launcher}"
             )
+
+    @property
+    def elastic(self) -> bool:
+        """Whether this is an elastic job: a discovery script, ``--min-np`` or ``--max-np`` was given."""
+        return (self.host_discovery_script is not None or self.min_np is not None or self.max_np is not None)
+
+    def _check_elastic(self) -> None:
+        if not self.elastic:
+            return
+        if self.controller == "mpi" or self.launcher in ("mpi", "slurm"):
+            raise ConfigError(
+                "elastic training (--min-np/--max-np/--host-discovery-script) runs on gloo, because MPI's world "
+                "is fixed: drop --mpi / --launcher mpi and run with --gloo")
+        if self.num_servers:
+            raise ConfigError("elastic training and parameter servers (-s) do not mix; drop -s or the elastic flags")
+        if self.host_discovery_script is not None:
+            if self.hosts is not None:
+                raise ConfigError("give either --host-discovery-script or -H/--hostfile, not both")
+            if not os.access(self.host_discovery_script, os.X_OK):
+                raise ConfigError(f"--host-discovery-script {self.host_discovery_script!r} is not an executable "
+                                  "file (chmod +x it)")
+            self.host_discovery_script = os.path.abspath(self.host_discovery_script)
+        self.min_np = self.num_proc if self.min_np is None else self.min_np
+        if self.min_np < 1 or (self.max_np is not None and self.max_np < self.min_np):
+            raise ConfigError(f"--min-np {self.min_np} must be >= 1 and <= --max-np {self.max_np}")
+        if self.num_proc < self.min_np or (self.max_np is not None and self.num_proc > self.max_np):
+            raise ConfigError(f"-np {self.num_proc} must lie between --min-np {self.min_np} and --max-np "
+                              f"{self.max_np}")
+        if self.slots_per_host is not None and self.slots_per_host < 1:
+            raise ConfigError(f"--slots-per-host {self.slots_per_host} must be >= 1")
+        if self.elastic_timeout <= 0:
+            raise ConfigError(f"--elastic-timeout {self.elastic_timeout} must be > 0 seconds")
+        if self.reset_limit is not None and self.reset_limit < 0:
+            raise ConfigError(f"--reset-limit {self.reset_limit} must be >= 0")
+        if self.blacklist_cooldown_range is not None:
+            low, high = (float(x) for x in self.blacklist_cooldown_range)
+            if not 0 < low <= high:
+                raise ConfigError(f"--blacklist-cooldown-range {low:g} {high:g}: need 0 < MIN <= MAX seconds")
+            self.blacklist_cooldown_range = (low, high)
+        if self.controller is None:
+            self.controller = "gloo"
+        if self.launcher is None:
+            self.launcher = "ssh" if any(not is_local_host(h.host) for h in self.hosts or ()) else "local"
 
     def _check_knobs(self) -> None:
         if self.fusion_threshold_mb is not None and self.fusion_threshold_mb < 0:

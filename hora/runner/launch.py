@@ -61,6 +61,15 @@ def run_job(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextI
     """
     stdout = sys.stdout if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
+    if config.elastic:
+        from hora.runner.elastic import run_elastic
+
+        if config.launcher != "ssh":
+            check_command(config.command, os.environ)
+        with _route_signals() as interrupt:
+            result = run_elastic(config, stdout, stderr, interrupt)
+        report(result, stderr)
+        return result
     launcher = get_launcher(str(config.launcher))
     slots = plan_slots(config)
     try:

@@ -181,4 +181,7 @@ def mpi_threads_supported() -> bool:
     return bool(getattr(backend, "threads_supported", False))
 
 
+# Horovod scripts use ``hvd.elastic.run`` and ``hvd.elastic.TorchState`` after ``import horovod.torch as hvd``.
+from hora.torch import elastic  # noqa: E402
+
 __all__ = [name for name in dir() if not name.startswith("_") and name not in ("torch", "annotations", "warnings")]

@@ -266,6 +266,19 @@ class _DistributedOptimizer(WrappedOptimizer):
             )
         self._opt.zero_grad(set_to_none=set_to_none)
 
+    def clear_pending(self) -> None:
+        """Forget gradients in flight: their collectives failed with the ring they were submitted to.
+
+        Elastic training (``hora.torch.elastic.TorchState``) calls this when it
+        restores or syncs the optimizer after a reset.
+        """
+        self._handles.clear()
+        self._deferred.clear()
+        self._passes.clear()
+        self._group_ready.clear()
+        self._densified.clear()
+        self._synchronized = False
+
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's public name
     optimizer: torch.optim.Optimizer,

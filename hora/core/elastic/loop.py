@@ -1,0 +1,78 @@
+"""The elastic retry loop behind ``hvd.elastic.run``: restore, re-form the ring, call the function again.
+
+A lost peer surfaces in the training function as
+:class:`~hora.errors.InternalError` (the engine turns the backend's
+connection error into it and fails every pending collective): the loop
+restores the last commit, re-forms the ring and calls the function again.  A
+host change raises :class:`~hora.errors.HostsUpdatedInterrupt` at a commit:
+the ring is re-formed without a restore.  After every re-formation the state
+is synced from the new rank 0, which is always a worker that was in the
+previous ring, so workers that joined start from the committed state.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from hora.core.elastic.state import State
+from hora.core.elastic.worker import WorkerRetired
+from hora.errors import BackendError, HostsUpdatedInterrupt, InternalError, ShutdownError
+
+log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Re-formations a worker tries in a row when a round fails to connect (a peer died meanwhile).
+RESET_ATTEMPTS = 20
+
+
+def run_fn(func: F, reset: Callable[[], None]) -> F:
+    """Wrap ``func(state, *args, **kwargs)`` so that it survives lost peers and host changes.
+
+    Args:
+        func: the training function; its first argument is a :class:`State`.
+        reset: shuts the engine down and initialises it again (the binding's
+            ``shutdown(); init()``); in an elastic job ``init()`` joins the
+            driver's next round.
+
+    Returns:
+        The wrapped function.  A worker that the driver no longer needs
+        (its host was removed) leaves with ``SystemExit(0)``.
+    """
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        sync = True
+        while True:
+            try:
+                if sync:
+                    state.sync()
+                return func(state, *args, **kwargs)
+            except (InternalError, ShutdownError) as e:
+                log.warning("a peer was lost (%s); restoring the last commit and re-forming the ring", e)
+                state.restore()
+                sync = True
+            except HostsUpdatedInterrupt as e:
+                sync = not e.skip_sync
+            _reform(reset)
+            state.on_reset()
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _reform(reset: Callable[[], None]) -> None:
+    """``reset()``, again while a new round fails to connect (a peer died while it formed)."""
+    for attempt in range(1, RESET_ATTEMPTS + 1):
+        try:
+            reset()
+            return
+        except WorkerRetired as e:
+            log.info("%s; leaving", e)
+            raise SystemExit(0) from None
+        except (BackendError, InternalError) as e:
+            if attempt == RESET_ATTEMPTS:
+                raise
+            log.warning("re-forming the ring failed (%s); joining the next round", e)

@@ -1,0 +1,107 @@
+"""A small elastic training job for the tests: logs rank/size per epoch, fails on schedule, waits for host changes.
+
+Rank 0 appends one JSON line per epoch to --logfile and writes the next
+epoch number to --epoch-file, which the tests' discovery scripts read to
+change the host list by epoch.  --exit-schedule maps "epoch,batch" to the
+start ranks (HORA_RANK at spawn) that fail there, by exception or SIGKILL.
+At the end every rank appends a digest of its weights to --weights-file.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.nn.functional as F
+
+import hora.torch as hvd
+
+p = argparse.ArgumentParser()
+p.add_argument("--epochs", type=int, default=3)
+p.add_argument("--batches-per-epoch", type=int, default=10)
+p.add_argument("--batches-per-commit", type=int, default=1)
+p.add_argument("--logfile", required=True)
+p.add_argument("--epoch-file")
+p.add_argument("--weights-file")
+p.add_argument("--exit-schedule", default="{}")
+p.add_argument("--exit-mode", default="exception", choices=["exception", "kill"])
+p.add_argument("--wait-for-hosts", default="", help="comma-separated epochs after which the host set changes")
+p.add_argument("--epoch-wait", type=float, default=0.0)
+p.add_argument("--batch-wait", type=float, default=0.0)
+args = p.parse_args()
+
+hvd.init()
+torch.manual_seed(1234)
+data = torch.randn(32, 4)
+target = torch.randint(0, 2, (32,))
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+lr = 0.01
+optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr * hvd.size()),
+                                     named_parameters=model.named_parameters())
+start_rank = int(os.environ.get("HOROVOD_RANK", "0"))
+hostname = os.environ.get("HOROVOD_HOSTNAME")
+exit_schedule = {tuple(int(x) for x in k.split(",")): v for k, v in json.loads(args.exit_schedule).items()}
+wait_after = {int(e) for e in args.wait_for_hosts.split(",") if e}
+
+
+def maybe_fail(epoch, batch):
+    if start_rank in exit_schedule.get((epoch, batch), ()):
+        if args.exit_mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"scheduled failure at epoch {epoch} batch {batch}, start rank {start_rank}")
+
+
+@hvd.elastic.run
+def train(state):
+    state.rendezvous += 1
+    while state.epoch < args.epochs:
+        while state.batch < args.batches_per_epoch:
+            maybe_fail(state.epoch, state.batch)
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(data), target)
+            loss.backward()
+            optimizer.step()
+            state.batch += 1
+            if args.batch_wait:
+                time.sleep(args.batch_wait)
+            if state.batch % args.batches_per_commit == 0:
+                state.commit()
+        if hvd.rank() == 0:
+            with open(args.logfile, "a") as f:
+                f.write(json.dumps({"epoch": state.epoch, "rank": hvd.rank(), "size": hvd.size(),
+                                    "start_rank": start_rank, "hostname": hostname,
+                                    "rendezvous": state.rendezvous}) + "\n")
+            if args.epoch_file:
+                with open(args.epoch_file + ".tmp", "w") as f:
+                    f.write(str(state.epoch + 1))
+                os.replace(args.epoch_file + ".tmp", args.epoch_file)
+        if args.epoch_wait:
+            time.sleep(args.epoch_wait)
+        finished = state.epoch
+        state.epoch += 1
+        state.batch = 0
+        state.commit()
+        if finished in wait_after and state.epoch < args.epochs:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:  # until the driver has seen the new hosts
+                time.sleep(0.2)
+                state.check_host_updates()
+            raise TimeoutError("the driver reported no host change")
+
+
+def on_reset():
+    for group in optimizer.param_groups:
+        group["lr"] = lr * hvd.size()
+
+
+state = hvd.elastic.TorchState(model, optimizer, epoch=0, batch=0, rendezvous=0)
+state.register_reset_callbacks([on_reset])
+train(state)
+if args.weights_file:
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    with open(args.weights_file, "a") as f:
+        f.write(json.dumps({"rank": hvd.rank(), "size": hvd.size(), "digest": digest}) + "\n")
+hvd.shutdown()
