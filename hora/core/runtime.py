@@ -91,9 +91,11 @@ class Runtime:
         self.engine = engine
         self.process_sets: dict[int, ProcessSet] = {0: global_process_set}
         self._names: dict[tuple[str, int], itertools.count] = {}
-        # request key (name and process set) -> the handle last submitted under it, until the program
-        # has seen it finish.  Weak, so a handle the program dropped frees its name.
-        self._unseen: dict[str, weakref.ref[Handle]] = {}
+        # (kind, request key) -> the handle last submitted under that name, until the program has seen it
+        # finish; request key -> the last handle of any kind, while in flight.  Weak references, so a
+        # handle the program dropped frees its name.
+        self._unseen: dict[tuple[CollectiveType, str], weakref.ref[Handle]] = {}
+        self._in_flight: dict[str, weakref.ref[Handle]] = {}
         self._unseen_lock = threading.Lock()
 
     def auto_name(self, kind: str, process_set_id: int = 0) -> str:
@@ -107,25 +109,35 @@ class Runtime:
     def claim_name(self, request: Request, handle: Handle) -> None:
         """Record that ``handle`` now holds the user-given name of ``request``.
 
+        Two rules, as in Horovod: a name may not be reused by the same kind of
+        collective until the program has waited for (or polled done) the one
+        that last used it, whether or not that one has finished, so the
+        outcome never depends on timing; and no two collectives of any kind
+        may be in flight under one name, since ranks negotiate by name.
+
         Raises:
-            DuplicateNameError: an earlier collective under the same name (in
-                the same process set) has not been waited for, or polled done,
-                yet.  Whether it has finished does not matter, so the outcome
-                never depends on timing.
+            DuplicateNameError: either rule is broken; the message says how to fix it.
         """
         key = request.key
+        kind = request.kind.label
         with self._unseen_lock:
-            ref = self._unseen.get(key)
+            ref = self._unseen.get((request.kind, key))
             earlier = ref() if ref is not None else None
             if earlier is not None and not earlier.observed:
-                kind = request.kind.label
                 raise DuplicateNameError(
-                    f"{kind} named {request.name!r} was submitted while an earlier collective with that name has "
-                    "not been synchronized (waited for) yet; use a different name, or synchronize() the first "
-                    "handle before reusing it")
-            self._unseen[key] = weakref.ref(handle)
-            if len(self._unseen) > 4096:  # forget names whose handles are gone or were seen
+                    f"{kind} named {request.name!r} was submitted while an earlier {kind} with that name has not "
+                    "been synchronized (waited for) yet; use a different name, or synchronize() the first handle "
+                    "before reusing it")
+            ref = self._in_flight.get(key)
+            other = ref() if ref is not None else None
+            if other is not None and not other.done():
+                raise DuplicateNameError(
+                    f"{kind} named {request.name!r} was submitted while another collective with that name is "
+                    "still in flight; names must be unique among the collectives in flight, whatever their kind")
+            self._unseen[(request.kind, key)] = self._in_flight[key] = weakref.ref(handle)
+            if len(self._unseen) > 4096:  # forget names whose handles are gone, seen or finished
                 self._unseen = {k: r for k, r in self._unseen.items() if (h := r()) is not None and not h.observed}
+                self._in_flight = {k: r for k, r in self._in_flight.items() if (h := r()) is not None and not h.done()}
 
 
 _lock = threading.RLock()
