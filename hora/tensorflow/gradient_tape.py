@@ -17,6 +17,11 @@ def _flat(x: Any) -> list[Any]:
     return tf.nest.flatten(x)
 
 
+def _key(source: Any) -> Any:
+    """A hashable identity for a tape source: tf.Variable.ref(), or the object for Keras 3 variables."""
+    return source.ref() if hasattr(source, "ref") else id(source)
+
+
 class DistributedGradientTape:
     """Wraps a recorded ``tf.GradientTape``: ``gradient()`` returns gradients averaged over the ranks.
 
@@ -53,14 +58,14 @@ class DistributedGradientTape:
 
     def register_local_source(self, source: Any) -> None:
         """Keep ``source``'s gradient local to this rank (model-parallel parameters)."""
-        self._local_sources.add(source.ref())
+        self._local_sources.add(_key(source))
 
     def gradient(self, target: Any, sources: Any, output_gradients: Any = None, use_generic_names: bool = False,
                  **kwargs: Any) -> Any:
         """The wrapped tape's gradients, averaged (or reduced with ``op``) across the process set."""
         grads = self._tape.gradient(target, sources, output_gradients, **kwargs)
         flat_sources, flat_grads = _flat(sources), _flat(grads)
-        reduce_idx = [i for i, s in enumerate(flat_sources) if s.ref() not in self._local_sources]
+        reduce_idx = [i for i, s in enumerate(flat_sources) if _key(s) not in self._local_sources]
         reduced = self._allreduce_grads([flat_grads[i] for i in reduce_idx], [flat_sources[i] for i in reduce_idx])
         out = list(flat_grads)
         for i, g in zip(reduce_idx, reduced, strict=True):
@@ -68,7 +73,7 @@ class DistributedGradientTape:
         if self.scale_local_gradients and self._local_sources:
             size = self.process_set.size() or 1
             for i, s in enumerate(flat_sources):
-                if s.ref() in self._local_sources:
+                if _key(s) in self._local_sources:
                     out[i] = scale_local(out[i], size)
         return tf.nest.pack_sequence_as(grads, out)
 
@@ -78,7 +83,7 @@ class DistributedGradientTape:
         grads = self.gradient(target, sources, output_gradients)
         local, glob = [], []
         for s, g in zip(_flat(sources), _flat(grads), strict=True):
-            (local if s.ref() in self._local_sources else glob).append((s, g))
+            (local if _key(s) in self._local_sources else glob).append((s, g))
         return local, glob
 
 

@@ -64,10 +64,10 @@ def make_allreduce_grads_fn(compression: Any = Compression.none, sparse_as_dense
         elif groups is not None and not isinstance(groups, int):
             if variables is None:
                 raise ValueError("groups given as lists of variables need the variables of the gradients")
-            where = {v.ref(): i for i, v in enumerate(variables)}
+            where = {id(v): i for i, v in enumerate(variables)}
             index_groups, taken = [], set()
             for group in groups:
-                idx = [where[v.ref()] for v in group if v.ref() in where and grads[where[v.ref()]] is not None]
+                idx = [where[id(v)] for v in group if id(v) in where and grads[where[id(v)]] is not None]
                 taken.update(idx)
                 if idx:
                     index_groups.append(idx)

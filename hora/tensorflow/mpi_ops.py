@@ -57,7 +57,8 @@ class CollectiveFailedError(tf.errors.FailedPreconditionError, HoraError):
 
 
 def _to_buffer(t: Any) -> np.ndarray:
-    return t if isinstance(t, np.ndarray) else t.numpy()
+    # .numpy() of a scalar tensor is a NumPy scalar, not an array
+    return t if isinstance(t, np.ndarray) else np.asarray(t.numpy())
 
 
 #: eager tensors in (as NumPy arrays: on a GPU this copies through host memory), tf.Tensors out.

@@ -104,7 +104,9 @@ def test_broadcast_inplace_and_variables():
     (out,) = hvd.broadcast_([v], root_rank=hvd.size() - 1)
     np.testing.assert_array_equal(v.numpy(), np.full(4, hvd.size() - 1.0))
     np.testing.assert_array_equal(out.numpy(), v.numpy())
-    hvd.broadcast_variables([v, w], root_rank=0)
+    scalar = tf.Variable(hvd.rank() + 7, dtype=tf.int64)  # scalars too (an optimizer's iteration count)
+    hvd.broadcast_variables([v, w, scalar], root_rank=0)
+    assert scalar.numpy() == 7
     np.testing.assert_array_equal(w.numpy(), np.full((2, 2), 10))
     np.testing.assert_array_equal(v.numpy(), np.full(4, hvd.size() - 1.0))  # already the last rank's
 
