@@ -31,6 +31,8 @@ p.add_argument("--exit-mode", default="exception", choices=["exception", "kill"]
 p.add_argument("--wait-for-hosts", default="", help="comma-separated epochs after which the host set changes")
 p.add_argument("--epoch-wait", type=float, default=0.0)
 p.add_argument("--batch-wait", type=float, default=0.0)
+p.add_argument("--kill-stamp", help="the failing rank writes the time it fails here; survivors append how long "
+                                    "their blocked collective took to raise")
 args = p.parse_args()
 
 hvd.init()
@@ -49,6 +51,9 @@ wait_after = {int(e) for e in args.wait_for_hosts.split(",") if e}
 
 def maybe_fail(epoch, batch):
     if start_rank in exit_schedule.get((epoch, batch), ()):
+        if args.kill_stamp:
+            with open(args.kill_stamp, "w") as f:
+                f.write(str(time.time()))
         if args.exit_mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"scheduled failure at epoch {epoch} batch {batch}, start rank {start_rank}")
@@ -63,7 +68,15 @@ def train(state):
             optimizer.zero_grad()
             loss = F.cross_entropy(model(data), target)
             loss.backward()
-            optimizer.step()
+            try:
+                optimizer.step()
+            except hvd.HorovodInternalError:
+                if args.kill_stamp and os.path.exists(args.kill_stamp):
+                    with open(args.kill_stamp) as f:
+                        waited = time.time() - float(f.read() or "nan")
+                    with open(args.kill_stamp + ".survivors", "a") as f:
+                        f.write(f"{waited}\n")
+                raise
             state.batch += 1
             if args.batch_wait:
                 time.sleep(args.batch_wait)
