@@ -135,7 +135,7 @@ def _mpi_controller(topology: Topology) -> Backend:
     backend = MPIBackend()
     if topology.launcher == "hora" and backend.size != topology.size:
         raise ConfigError(
-            f"HORA_CONTROLLER=mpi but MPI sees {backend.size} process(es) while the launcher started "
+            f"{envvars.HORA_CONTROLLER}=mpi but MPI sees {backend.size} process(es) while the launcher started "
             f"{topology.size}: launch with `hora run --mpi` (or mpirun) to use the MPI controller"
         )
     return backend
@@ -149,7 +149,7 @@ def _gloo_controller(topology: Topology, config: EngineConfig, rdv: RendezvousCo
         raise BackendError(
             "the gloo engine comes from torch.distributed, and torch is not installed in this environment. "
             "Either install it (pip install 'hora[torch]'), or use MPI, which needs no torch: "
-            "pip install 'hora[mpi]' and launch with `hora run --mpi` (or HORA_CONTROLLER=mpi under mpirun)"
+            f"pip install 'hora[mpi]' and launch with `hora run --mpi` (or {envvars.HORA_CONTROLLER}=mpi under mpirun)"
         ) from e
 
     from hora.core.backends.torch_dist import GlooBackend, connect_store
@@ -161,7 +161,8 @@ def _gloo_controller(topology: Topology, config: EngineConfig, rdv: RendezvousCo
         if rdv.addr is None or rdv.port is None:
             raise ConfigError(
                 f"rank {topology.rank} of {topology.size} has no rendezvous address for gloo: launch with "
-                "`hora run`, or set HORA_RENDEZVOUS_ADDR/HORA_RENDEZVOUS_PORT (or MASTER_ADDR/MASTER_PORT), "
+                f"`hora run`, or set {envvars.HORA_RENDEZVOUS_ADDR}/{envvars.HORA_RENDEZVOUS_PORT} (or "
+                f"{envvars.MASTER_ADDR}/{envvars.MASTER_PORT}), "
                 "or use the MPI controller under mpirun"
             )
         store = connect_store(
@@ -195,8 +196,8 @@ def _address_towards(addr: str, port: int) -> str:
             s.connect((addr, port))
             return s.getsockname()[0]
     except OSError as e:
-        raise ConfigError(f"no route from this host to the rendezvous address {addr}:{port} ({e}); "
-                          "check HORA_RENDEZVOUS_ADDR or choose the interface with --network-interface") from e
+        raise ConfigError(f"no route from this host to the rendezvous address {addr}:{port} ({e}); check "
+                          f"{envvars.HORA_RENDEZVOUS_ADDR} or choose the interface with --network-interface") from e
 
 
 def _maybe_nccl(controller: Backend, store, config: EngineConfig, generation: str) -> Backend | None:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from hora import envvars
 from hora.config import EngineConfig
 from hora.errors import HoraError, ShutdownError, StallError
 
@@ -95,7 +96,7 @@ class StallMonitor:
         if self.deadline_s and worst >= self.deadline_s:
             raise Abandon(StallError(
                 f"collectives stalled for more than the stall deadline ({self.deadline_s:.0f} s, "
-                "HORA_STALL_SHUTDOWN_TIME_SECONDS):\n" + "\n".join(lines)))
+                f"{envvars.HORA_STALL_SHUTDOWN_TIME_SECONDS}):\n" + "\n".join(lines)))
 
     def while_waiting(self, waited: float, pending: Sequence[str], shutting_down: bool) -> None:
         """Called while a negotiation round waits for the other ranks; raises :class:`Abandon` to give up."""
@@ -106,7 +107,7 @@ class StallMonitor:
             raise Abandon(StallError(
                 f"rank {self.rank} waited {waited:.0f} s for the other ranks to negotiate {sorted(pending)[:8]}; "
                 "they never answered (a rank may have died or be stuck outside hora). Deadline: "
-                "HORA_STALL_SHUTDOWN_TIME_SECONDS"))
+                f"{envvars.HORA_STALL_SHUTDOWN_TIME_SECONDS}"))
         if self.check_s and waited > self.check_s and time.monotonic() - self._warned_at > self.check_s:
             self._warned_at = time.monotonic()
             log.warning("hora: rank %d has waited %.0f s for other ranks to negotiate %s", self.rank, waited,
