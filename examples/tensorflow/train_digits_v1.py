@@ -46,6 +46,13 @@ def load_data(seed: int):
     return (x_tr - mean) / std, y_tr, (x_te - mean) / std, y_te
 
 
+def dense(x, fan_in: int, fan_out: int, name: str):
+    """A fully connected layer from tf.compat.v1 variables (v1.layers is gone with Keras 3)."""
+    w = v1.get_variable(f"{name}/kernel", [fan_in, fan_out], initializer=v1.glorot_uniform_initializer())
+    b = v1.get_variable(f"{name}/bias", [fan_out], initializer=v1.zeros_initializer())
+    return tf.matmul(x, w) + b
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     v1.disable_eager_execution()
@@ -55,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
     images = v1.placeholder(tf.float32, [None, 64])
     labels = v1.placeholder(tf.int64, [None])
-    hidden = v1.layers.dense(images, 128, activation=tf.nn.relu)
-    logits = v1.layers.dense(hidden, 10)
+    hidden = tf.nn.relu(dense(images, 64, 128, "hidden"))
+    logits = dense(hidden, 128, 10, "logits")
     loss = v1.losses.sparse_softmax_cross_entropy(labels, logits)
     global_step = v1.train.get_or_create_global_step()
     opt = v1.train.MomentumOptimizer(args.lr * hvd.size(), momentum=0.9)
@@ -64,7 +71,16 @@ def main(argv: list[str] | None = None) -> int:
     train_op = opt.minimize(loss, global_step=global_step)
     predictions = tf.argmax(logits, 1)
 
-    hooks = [hvd.BroadcastGlobalVariablesHook(0), v1.train.StopAtStepHook(last_step=args.steps)]
+    part = slice(hvd.rank(), None, hvd.size())  # each rank scores its part of the test set
+
+    class Evaluate(v1.train.SessionRunHook):
+        """Predicts the test set with the trained weights when the session ends."""
+
+        def end(self, session):
+            self.predicted = session.run(predictions, {images: x_te[part]})
+
+    evaluate = Evaluate()
+    hooks = [hvd.BroadcastGlobalVariablesHook(0), v1.train.StopAtStepHook(last_step=args.steps), evaluate]
     checkpoint_dir = args.checkpoint_dir if hvd.rank() == 0 else None  # rank 0 alone writes checkpoints
     rng = np.random.default_rng(args.seed + hvd.rank())
     with v1.train.MonitoredTrainingSession(checkpoint_dir=checkpoint_dir, hooks=hooks) as sess:
@@ -75,9 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             step += 1
             if hvd.rank() == 0 and step % 100 == 0:
                 print(f"step {step}: loss {value:.4f}")
-        part = slice(hvd.rank(), None, hvd.size())
-        predicted = sess.run(predictions, {images: x_te[part]})
-    correct = float((predicted == y_te[part]).sum())
+    correct = float((evaluate.predicted == y_te[part]).sum())
     counts = np.array([correct, float(len(y_te[part]))])
     totals = hvd.allgather_object(counts)
     accuracy = sum(t[0] for t in totals) / sum(t[1] for t in totals)
