@@ -2,6 +2,9 @@
 
 * :mod:`~hora.kvstore.ps.wire`: the message format (msgpack header, raw array
   frames, HMAC-SHA256 keyed by the job secret).
+* :mod:`~hora.kvstore.ps.secure`: who may connect: authentication at the
+  ZeroMQ handshake (PLAIN with an address-bound token, or CURVE), keyed by
+  the job secret; see docs/security.md.
 * :mod:`~hora.kvstore.ps.shm`: the shared-memory data path between peers on
   one host (headers still signed; payloads skip the socket and the hashing).
 * :mod:`~hora.kvstore.ps.scheduler`: membership, barriers, failure detection.
