@@ -13,10 +13,12 @@ class NDArrayCompressor:
 
     @staticmethod
     def compress(tensor: mx.nd.NDArray) -> tuple[mx.nd.NDArray, Any]:
+        """The array to send and what ``decompress`` needs to restore it."""
         raise NotImplementedError
 
     @staticmethod
     def decompress(tensor: mx.nd.NDArray, ctx: Any) -> mx.nd.NDArray:
+        """The received array back in its original form."""
         raise NotImplementedError
 
 
@@ -25,10 +27,12 @@ class NoneCompressor(NDArrayCompressor):
 
     @staticmethod
     def compress(tensor: mx.nd.NDArray) -> tuple[mx.nd.NDArray, Any]:
+        """The array to send and what ``decompress`` needs to restore it."""
         return tensor, None
 
     @staticmethod
     def decompress(tensor: mx.nd.NDArray, ctx: Any) -> mx.nd.NDArray:
+        """The received array back in its original form."""
         return tensor
 
 
@@ -37,6 +41,7 @@ class FP16Compressor(NDArrayCompressor):
 
     @staticmethod
     def compress(tensor: mx.nd.NDArray) -> tuple[mx.nd.NDArray, Any]:
+        """The array to send and what ``decompress`` needs to restore it."""
         dtype = np.dtype(tensor.dtype)
         if dtype.kind == "f" and dtype != np.float16:
             return tensor.astype("float16", copy=False), dtype
@@ -44,6 +49,7 @@ class FP16Compressor(NDArrayCompressor):
 
     @staticmethod
     def decompress(tensor: mx.nd.NDArray, ctx: Any) -> mx.nd.NDArray:
+        """The received array back in its original form."""
         return tensor.astype(ctx, copy=False) if ctx is not None else tensor
 
 

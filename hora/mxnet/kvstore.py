@@ -122,32 +122,39 @@ class HoraAllreduceStore(KVStoreBase):
                     summed.copyto(t)
 
     def set_optimizer(self, optimizer: Any) -> None:
+        """Refused: the store runs no optimizer (see the message)."""
         raise ConfigError("the 'hora' KVStore runs no optimizer (is_capable('optimizer') is False): let "
                           "gluon.Trainer update on the workers (update_on_kvstore=False), or use 'hora_dist_sync' "
                           "for an optimizer on parameter servers")
 
     @staticmethod
     def is_capable(capability: str) -> bool:
+        """True for ``'optimizer'`` when the store runs one (the servers do; the allreduce store does not)."""
         if capability.lower() == KVStoreBase.OPTIMIZER:
             return False
         raise ValueError(f"unknown capability: {capability}")
 
     @property
     def type(self) -> str:
+        """The name the store is registered under."""
         return "hora"
 
     @property
     def rank(self) -> int:
+        """This worker's rank among the workers."""
         return runtime.current().engine.rank
 
     @property
     def num_workers(self) -> int:
+        """Number of workers in the job."""
         return runtime.current().engine.size
 
     def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
+        """Write the optimizer state to ``fname`` (servers' state for the PS-backed stores)."""
         raise ConfigError("the 'hora' KVStore holds no optimizer state; use gluon.Trainer.save_states")
 
     def load_optimizer_states(self, fname: str) -> None:
+        """Restore the state written by ``save_optimizer_states``."""
         raise ConfigError("the 'hora' KVStore holds no optimizer state; use gluon.Trainer.load_states")
 
 
@@ -248,26 +255,32 @@ class _ServerStore(KVStoreBase):
 
     @staticmethod
     def is_capable(capability: str) -> bool:
+        """True for ``'optimizer'`` when the store runs one (the servers do; the allreduce store does not)."""
         if capability.lower() == KVStoreBase.OPTIMIZER:
             return True
         raise ValueError(f"unknown capability: {capability}")
 
     @property
     def type(self) -> str:
+        """The name the store is registered under."""
         return self.kv_type
 
     @property
     def rank(self) -> int:
+        """This worker's rank among the workers."""
         return self._store.rank
 
     @property
     def num_workers(self) -> int:
+        """Number of workers in the job."""
         return self._store.num_workers
 
     def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
+        """Write the optimizer state to ``fname`` (servers' state for the PS-backed stores)."""
         self._store.save_optimizer_states(fname, dump_optimizer)
 
     def load_optimizer_states(self, fname: str) -> None:
+        """Restore the state written by ``save_optimizer_states``."""
         self._store.load_optimizer_states(fname)
 
     def close(self) -> None:

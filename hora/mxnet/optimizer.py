@@ -118,9 +118,11 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             setattr(self._optimizer, item, value)
 
     def create_state(self, index: Any, weight: mx.nd.NDArray) -> Any:
+        """The wrapped optimizer's state for ``weight``."""
         return self._optimizer.create_state(index, weight)
 
     def create_state_multi_precision(self, index: Any, weight: mx.nd.NDArray) -> Any:
+        """The wrapped optimizer's multi-precision state for ``weight``."""
         return self._optimizer.create_state_multi_precision(index, weight)
 
     def _do_allreduce(self, index: Any, grad: Any) -> None:
@@ -143,12 +145,15 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         self._optimizer.update_multi_precision(index, weight, grad, state)
 
     def set_learning_rate(self, lr: float) -> None:
+        """Set the wrapped optimizer's learning rate."""
         self._optimizer.set_learning_rate(lr)
 
     def set_lr_mult(self, args_lr_mult: dict) -> None:
+        """Set the wrapped optimizer's per-parameter learning-rate multipliers."""
         self._optimizer.set_lr_mult(args_lr_mult)
 
     def set_wd_mult(self, args_wd_mult: dict) -> None:
+        """Set the wrapped optimizer's per-parameter weight-decay multipliers."""
         self._optimizer.set_wd_mult(args_wd_mult)
 
 
