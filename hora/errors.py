@@ -56,15 +56,20 @@ class StallError(HoraError):
     """A collective waited on missing ranks for longer than the stall deadline."""
 
 
-class ShutdownError(HoraError):
-    """The engine was shut down (locally or by another rank) with work pending."""
-
-
 class InternalError(HoraError):
     """A collective failed in a way that leaves the job in an unknown state.
 
     Elastic training catches this one to restore the last committed state.
     ``hora.torch.HorovodInternalError`` is an alias of this class.
+    """
+
+
+class ShutdownError(InternalError):
+    """The engine was shut down (locally or by another rank) with work pending.
+
+    An :class:`InternalError`: a rank that exits (a script's exception, then
+    its shutdown at exit) fails the others' pending collectives with this,
+    and elastic training recovers from it as from a rank that died.
     """
 
 

@@ -126,4 +126,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'hora.tensorflow' has no attribute {name!r}")
 
 
-from hora.tensorflow import util  # noqa: E402  (hvd.util._executing_eagerly, as Horovod's tests use)
+# hvd.elastic (Horovod's elastic API) and hvd.util._executing_eagerly (as Horovod's tests use)
+from hora.tensorflow import elastic, util  # noqa: E402

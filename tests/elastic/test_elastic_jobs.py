@@ -126,3 +126,17 @@ def test_elastic_with_mpi_is_a_clear_error(run_job, tmp_path):
     assert proc.returncode == 2
     assert "--gloo" in proc.stderr and "elastic" in proc.stderr
 
+
+
+def test_shutdown_then_init_again_leaks_no_threads_sockets_or_memory(run_job):
+    script = Path(__file__).parent / "scripts" / "reinit.py"
+    proc = run_job(2, [sys.executable, str(script), "8"], timeout=JOB_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line.split(":", 1)[1]) for line in proc.stdout.splitlines() if '"round"' in line]
+    for rank in (0, 1):
+        mine = [r for r in rows if r["rank"] == rank]
+        assert len(mine) == 8
+        # after the first rounds warm up, every round ends where the previous one did
+        assert {r["threads"] for r in mine[2:]} == {mine[2]["threads"]}, mine
+        assert {r["fds"] for r in mine[2:]} == {mine[2]["fds"]}, mine
+        assert mine[-1]["rss_mib"] - mine[2]["rss_mib"] < 32, mine

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from hora.core.elastic.state import State
 from hora.core.elastic.worker import WorkerRetired
-from hora.errors import BackendError, HostsUpdatedInterrupt, InternalError, ShutdownError
+from hora.errors import BackendError, HostsUpdatedInterrupt, InternalError
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def run_fn(func: F, reset: Callable[[], None]) -> F:
                 if sync:
                     state.sync()
                 return func(state, *args, **kwargs)
-            except (InternalError, ShutdownError) as e:
+            except InternalError as e:  # ShutdownError too: a peer that exited shut its engine down
                 log.warning("a peer was lost (%s); restoring the last commit and re-forming the ring", e)
                 state.restore()
                 sync = True

@@ -152,5 +152,7 @@ def load_model(filepath: str, custom_optimizers: Sequence[type] | None = None,
     return model
 
 
+from hora.tensorflow.keras import elastic  # noqa: E402  (hvd.elastic: Horovod's elastic API)
+
 __all__ = [name for name in dir() if not name.startswith("_") and name not in ("annotations", "tf", "Any",
                                                                                "Sequence")]
