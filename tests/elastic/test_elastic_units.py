@@ -308,3 +308,50 @@ def test_wire_refuses_a_replayed_frame():
     raw.sendall(captured[0])  # the same bytes again: sequence number 0 is spent
     with pytest.raises(AuthError):
         s.recv()
+
+
+# ------------------------------------------------------------- the driver's socket
+
+
+@pytest.fixture
+def driver():
+    from hora.runner.elastic.driver import ElasticDriver, ElasticSettings
+
+    class NoSpawner:
+        import queue
+
+        exits = queue.Queue()
+
+    d = ElasticDriver(ElasticSettings(num_proc=1, min_np=1), HostManager(), discovery=None, spawner=NoSpawner(),
+                      secret="job-secret", sink=None, interrupt=None)
+    yield d
+    d.close()
+
+
+def test_driver_answers_an_authenticated_poll(driver):
+    channel = elastic_wire.connect("127.0.0.1", driver.port, "job-secret", timeout=10)
+    channel.send({"op": "poll", "worker": "h-0", "round": 0})
+    assert channel.recv() == {"updated": False}
+    channel.close()
+
+
+def test_driver_drops_a_join_with_the_wrong_secret(driver):
+    channel = elastic_wire.connect("127.0.0.1", driver.port, "not-the-secret", timeout=10)
+    channel.send({"op": "join", "worker": "h-0", "after": 0, "addr": "127.0.0.1", "port": 1})
+    channel.sock.settimeout(10)
+    assert channel.sock.recv(1) == b""  # closed without an answer
+    assert driver._requests.empty()
+
+
+def test_driver_bounds_connections_that_never_authenticate(driver):
+    from hora.runner.elastic.driver import MAX_UNAUTHENTICATED
+
+    idle = [socket.create_connection(("127.0.0.1", driver.port)) for _ in range(MAX_UNAUTHENTICATED)]
+    for s in idle:
+        assert len(s.recv(16)) == 16  # each got its nonce and holds a slot
+    extra = socket.create_connection(("127.0.0.1", driver.port))
+    extra.settimeout(10)
+    assert extra.recv(16) == b""  # no slot left: closed at once, no thread started
+    for s in idle:
+        s.close()
+    extra.close()

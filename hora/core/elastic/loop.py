@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from hora.core.elastic.state import State
 from hora.core.elastic.worker import WorkerRetired
+from hora.elastic_wire import WireError
 from hora.errors import BackendError, HostsUpdatedInterrupt, InternalError
 
 log = logging.getLogger(__name__)
@@ -72,7 +74,9 @@ def _reform(reset: Callable[[], None]) -> None:
         except WorkerRetired as e:
             log.info("%s; leaving", e)
             raise SystemExit(0) from None
-        except (BackendError, InternalError) as e:
+        except (BackendError, InternalError, WireError) as e:
             if attempt == RESET_ATTEMPTS:
                 raise
             log.warning("re-forming the ring failed (%s); joining the next round", e)
+            if isinstance(e, WireError):
+                time.sleep(min(attempt, 5))  # the driver was busy or unreachable: give it a moment

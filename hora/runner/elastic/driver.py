@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 TICK_SECONDS = 0.05
 #: Seconds a retired worker gets to leave on its own before it is stopped.
 RETIRE_GRACE_SECONDS = 10.0
+#: Connections that have not yet sent an authenticated first frame, at most; more are closed at once.
+MAX_UNAUTHENTICATED = 64
+#: Seconds a new connection has to send its first (authenticated) frame.
+FIRST_FRAME_SECONDS = 5.0
 
 
 class Discovery(Protocol):
@@ -171,6 +175,7 @@ class ElasticDriver:
         self._server.settimeout(0.2)
         self.port = self._server.getsockname()[1]
         self._closed = threading.Event()
+        self._unauthenticated = threading.BoundedSemaphore(MAX_UNAUTHENTICATED)
         self._acceptor = threading.Thread(target=self._accept, name="hora-elastic-driver", daemon=True)
         self._acceptor.start()
 
@@ -183,10 +188,16 @@ class ElasticDriver:
                 continue
             except OSError:
                 return
+            if not self._unauthenticated.acquire(blocking=False):
+                # Every slot is held by a connection that has not authenticated yet: a flood, not a worker.
+                log.warning("elastic driver: %d connections have not authenticated yet; closing one from %s",
+                            MAX_UNAUTHENTICATED, peer)
+                sock.close()
+                continue
             threading.Thread(target=self._serve, args=(sock, peer), name="hora-elastic-conn", daemon=True).start()
 
     def _serve(self, sock: socket.socket, peer: Any) -> None:
-        sock.settimeout(10.0)
+        sock.settimeout(FIRST_FRAME_SECONDS)
         try:
             channel = elastic_wire.Channel(sock, self.secret, server=True)
             message = channel.recv()
@@ -198,6 +209,8 @@ class ElasticDriver:
             log.debug("elastic driver: connection from %s ended: %s", peer, e)
             sock.close()
             return
+        finally:
+            self._unauthenticated.release()
         sock.settimeout(None)
         op = message.get("op")
         try:
