@@ -178,6 +178,8 @@ class ElasticDriver:
         self._unauthenticated = threading.BoundedSemaphore(MAX_UNAUTHENTICATED)
         self._acceptor = threading.Thread(target=self._accept, name="hora-elastic-driver", daemon=True)
         self._acceptor.start()
+        self._found: dict[str, int] | None = None
+        self._discoverer: threading.Thread | None = None
 
     # ------------------------------------------------------------ socket side
     def _accept(self) -> None:
@@ -247,10 +249,7 @@ class ElasticDriver:
                 self._reap()
                 self._take_requests()
                 now = self.clock()
-                if now - self._last_discovery >= self.settings.discovery_interval_s:
-                    self._last_discovery = now
-                    if self.hosts.update(self.discovery.find()):
-                        log.info("discovered hosts: %s", self.hosts.discovered)
+                self._discover(now)
                 result = self._check_end(now)
                 if result is not None:
                     return result
@@ -261,6 +260,31 @@ class ElasticDriver:
                 time.sleep(TICK_SECONDS)
         finally:
             self.close()
+
+    def _discover(self, now: float) -> None:
+        """Start the next discovery run when one is due, and take the latest result.
+
+        The script may take seconds (probing hosts over ssh), so it runs on its own thread: this loop
+        must keep answering joins.  Only while no host is known yet does it run here, synchronously.
+        """
+        busy = self._discoverer is not None and self._discoverer.is_alive()
+        if not busy and now - self._last_discovery >= self.settings.discovery_interval_s:
+            self._last_discovery = now
+
+            def find() -> None:
+                result = self.discovery.find()
+                with self._lock:
+                    self._found = result
+
+            if self.hosts.discovered:
+                self._discoverer = threading.Thread(target=find, name="hora-elastic-discovery", daemon=True)
+                self._discoverer.start()
+            else:
+                find()
+        with self._lock:
+            found, self._found = self._found, None
+        if found is not None and self.hosts.update(found):
+            log.info("discovered hosts: %s", self.hosts.discovered)
 
     def _eligible(self) -> list[Worker]:
         return [w for w in self.workers.values() if w.alive and not w.retired]

@@ -30,12 +30,14 @@ from hora.runner.ssh import SshOptions
 
 log = logging.getLogger(__name__)
 
-# Runs on the remote host: the command in its own group, killed with the group when ssh's stdin closes.
+# Runs on the remote host: the command, killed when ssh's stdin closes (the launcher stopped it, or the
+# connection dropped).  fd 3 keeps stdin for the watcher: a background list of a non-interactive shell
+# would otherwise read /dev/null.
 _REMOTE_WRAPPER = (
-    'set -m; "$@" </dev/null & child=$!; '
-    "trap 'kill -TERM -$child 2>/dev/null' TERM HUP INT; "
-    "(while read -r _; do :; done; kill -TERM -$child 2>/dev/null; sleep 3; kill -KILL -$child 2>/dev/null) & "
-    "wait $child; code=$?; kill %2 2>/dev/null; exit $code"
+    'exec 3<&0; "$@" </dev/null & child=$!; '
+    "trap 'kill -TERM $child 2>/dev/null' TERM HUP INT; "
+    "(while read -r _ <&3; do :; done; kill -TERM $child 2>/dev/null; sleep 3; kill -KILL $child 2>/dev/null) & "
+    "watcher=$!; wait $child; code=$?; kill $watcher 2>/dev/null; exit $code"
 )
 
 

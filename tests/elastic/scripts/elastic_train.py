@@ -31,6 +31,7 @@ p.add_argument("--exit-mode", default="exception", choices=["exception", "kill"]
 p.add_argument("--wait-for-hosts", default="", help="comma-separated epochs after which the host set changes")
 p.add_argument("--epoch-wait", type=float, default=0.0)
 p.add_argument("--batch-wait", type=float, default=0.0)
+p.add_argument("--stop-file", help="the job ends after the epoch in which this file appears")
 p.add_argument("--kill-stamp", help="the failing rank writes the time it fails here; survivors append how long "
                                     "their blocked collective took to raise")
 args = p.parse_args()
@@ -95,6 +96,8 @@ def train(state):
             time.sleep(args.epoch_wait)
         finished = state.epoch
         state.epoch += 1
+        if args.stop_file and hvd.broadcast_object(os.path.exists(args.stop_file), root_rank=0):
+            state.epoch = args.epochs
         state.batch = 0
         state.commit()
         if finished in wait_after and state.epoch < args.epochs:
