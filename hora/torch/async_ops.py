@@ -18,6 +18,7 @@ import torch
 from hora.core import collectives, runtime
 from hora.core.buffers.torch_ops import wait_for_stream
 from hora.core.collectives import Adapter
+from hora.core.frontend import resolve_op
 from hora.core.ops import CollectiveType, ReduceOp
 from hora.core.request import Handle
 from hora.core.runtime import ProcessSet, global_process_set
@@ -108,18 +109,6 @@ def check_tensor(tensor: torch.Tensor, what: str) -> None:
         )
     if tensor.is_sparse:
         raise UnsupportedError(f"{what} of a sparse tensor: call .to_dense() first, or use sparse_as_dense=True")
-
-
-def resolve_op(average: bool | None, op: ReduceOp | None, default: ReduceOp = Average) -> ReduceOp:
-    """Horovod's ``average=``/``op=`` pair as one operator."""
-    if average is not None and op is not None:
-        raise ValueError("average and op are mutually exclusive; pass only op=")
-    if op is None:
-        op = default if average is None else (Average if average else Sum)
-    op = ReduceOp(op)
-    if op == Adasum:
-        raise UnsupportedError("op=hvd.Adasum is not supported by hora yet; use hvd.Average or hvd.Sum")
-    return op
 
 
 def _submit(kind: CollectiveType, tensors: Sequence[torch.Tensor], name: str | None, **kwargs: Any) -> Handle:

@@ -5,11 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import cloudpickle
 import torch
 
-from hora.core import runtime
-from hora.core.collectives import process_set_id
+from hora.core import objects, runtime
 from hora.core.runtime import global_process_set
 from hora.torch import mpi_ops
 
@@ -36,38 +34,13 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set=global_process_set) -> Any:
-    """Send any picklable object from the root to every rank and return it."""
-    rt = runtime.current()
-    name = name or rt.auto_name("broadcast_object", process_set_id(process_set))
-    if rt.engine.rank == root_rank:
-        payload = cloudpickle.dumps(obj)
-        size = torch.tensor([len(payload)], dtype=torch.int64)
-    else:
-        payload = b""
-        size = torch.zeros(1, dtype=torch.int64)
-    mpi_ops.broadcast_(size, root_rank, name=f"{name}.size", process_set=process_set)
-    data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload
-            else torch.empty(int(size), dtype=torch.uint8))
-    mpi_ops.broadcast_(data, root_rank, name=f"{name}.data", process_set=process_set)
-    if rt.engine.rank == root_rank:
-        return obj
-    return cloudpickle.loads(data.numpy().tobytes())
+    """Send any picklable object from the root to every rank and return it (core's, on NumPy bytes)."""
+    return objects.broadcast_object(obj, root_rank, name, process_set)
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set=global_process_set) -> list[Any]:
-    """Gather one picklable object from every rank; returns them in rank order."""
-    rt = runtime.current()
-    name = name or rt.auto_name("allgather_object", process_set_id(process_set))
-    payload = cloudpickle.dumps(obj)
-    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    sizes = mpi_ops.allgather(torch.tensor([data.numel()], dtype=torch.int64), name=f"{name}.sizes",
-                              process_set=process_set)
-    gathered = mpi_ops.allgather(data, name=f"{name}.data", process_set=process_set).numpy().tobytes()
-    out, offset = [], 0
-    for n in sizes.tolist():
-        out.append(cloudpickle.loads(gathered[offset : offset + n]))
-        offset += n
-    return out
+    """Gather one picklable object from every rank; returns them in rank order (core's, on NumPy bytes)."""
+    return objects.allgather_object(obj, name, process_set)
 
 
 class _TensorSlot:
