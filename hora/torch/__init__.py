@@ -8,6 +8,21 @@ from __future__ import annotations
 import torch
 
 from hora.core import runtime as _runtime
+from hora.core.api import (
+    ccl_built,
+    cross_rank,
+    cross_size,
+    ddl_built,
+    gloo_enabled,
+    is_homogeneous,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    rank,
+    size,
+)
 from hora.core.runtime import (
     ProcessSet,
     add_process_set,
@@ -91,94 +106,24 @@ def stop_timeline() -> None:
     _runtime.stop_timeline()
 
 
-def _topo():
-    return _runtime.current().engine.topology
-
-
-def rank() -> int:
-    """This process's rank in ``[0, size())``."""
-    return _runtime.current().engine.rank
-
-
-def size() -> int:
-    """Number of processes in the job."""
-    return _runtime.current().engine.size
-
-
-def local_rank() -> int:
-    """Rank among the processes on this host."""
-    return _topo().local_rank
-
-
-def local_size() -> int:
-    """Number of processes on this host."""
-    return _topo().local_size
-
-
-def cross_rank() -> int:
-    """Index of this host among the job's hosts."""
-    return _topo().cross_rank
-
-
-def cross_size() -> int:
-    """Number of hosts in the job."""
-    return _topo().cross_size
-
-
-def is_homogeneous() -> bool:
-    """True when every host runs the same number of processes."""
-    t = _topo()
-    return t.local_size * t.cross_size == size()
-
-
-def _controller() -> str:
-    return _runtime.current().engine.controller.name
-
-
-def mpi_enabled() -> bool:
-    """True when this job's engine runs on MPI."""
-    return is_initialized() and _controller() == "mpi"
-
-
-def mpi_built() -> bool:
-    """True when mpi4py is importable (hora needs no compile step)."""
-    return _runtime.mpi_built()
-
-
-def gloo_enabled() -> bool:
-    """True when this job's engine runs on gloo."""
-    return is_initialized() and _controller() == "gloo"
-
-
 def gloo_built() -> bool:
+    """True when torch.distributed has gloo (the engine hora uses without MPI)."""
     return torch.distributed.is_available() and torch.distributed.is_gloo_available()
 
 
 def nccl_built() -> bool:
+    """True when torch.distributed has NCCL and a GPU is visible."""
     return torch.distributed.is_available() and torch.distributed.is_nccl_available() and torch.cuda.is_available()
 
 
 def cuda_built() -> bool:
+    """True when torch sees a CUDA device."""
     return torch.cuda.is_available()
 
 
 def rocm_built() -> bool:
+    """True when this torch is a ROCm build."""
     return bool(getattr(torch.version, "hip", None))
-
-
-def ddl_built() -> bool:
-    return False
-
-
-def ccl_built() -> bool:
-    return False
-
-
-def mpi_threads_supported() -> bool:
-    """True when MPI runs with MPI_THREAD_MULTIPLE (always, for the MPI hora starts)."""
-    rt = _runtime.current()
-    backend = rt.engine.controller
-    return bool(getattr(backend, "threads_supported", False))
 
 
 # Horovod scripts use ``hvd.elastic.run`` and ``hvd.elastic.TorchState`` after ``import horovod.torch as hvd``.
