@@ -19,13 +19,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hora.errors import ActorFailedError, ConfigError, LaunchError, PlacementTimeoutError, UnsupportedError
-from hora.ray.plan import ActorInfo, RaySettings, assign, bundles, check_controller, job_env
+from hora.ray.plan import ActorInfo, RaySettings, assign, bundles, check_controller, death_cause, job_env
 from hora.runner.env import Endpoints
 
 log = logging.getLogger(__name__)
@@ -78,10 +77,12 @@ class RayExecutor:
     ``start()`` places the workers and sets up the job; ``run``/``execute``
     run a function on every rank and return the results in rank order.
 
-    The elastic parameters (``min_workers``, ``max_workers``, ``reset_limit``,
-    ``cooldown_range``, ``elastic_timeout``, ``override_discovery``) belong
-    to elastic training, which ``hora.ray`` does not offer yet: setting one
-    raises :class:`hora.errors.UnsupportedError`.
+    With ``min_workers`` (and optionally ``max_workers``, ``reset_limit``,
+    ``cooldown_range``, ``elastic_timeout``) the job is elastic instead: the
+    hosts are Ray's live nodes, ``run(fn)`` starts a worker per free slot
+    (up to ``max_workers``), and the function, written with
+    ``hvd.elastic.run`` and a ``State``, goes on when nodes leave or join
+    (:mod:`hora.ray.elastic`).  Elastic jobs only ``run``.
     """
 
     @classmethod
@@ -93,20 +94,24 @@ class RayExecutor:
         placement_group_timeout_s: float = 100,
         nics: set[str] | Sequence[str] | str | None = None,
         verbose: int = 1,
+        worker_niceness: int | None = 0,
     ) -> RaySettings:
         """The executor's settings, as Horovod's ``RayExecutor.create_settings``.
 
         ``timeout_s`` bounds the workers' start and rendezvous,
         ``placement_group_timeout_s`` the wait for Ray to reserve their
         resources, and ``nics`` names the interfaces gloo uses (every node
-        must have them).  ``ssh_identity_file`` and ``ssh_str`` are accepted
-        for compatibility and unused: Ray starts the workers, not ssh.
+        must have them).  ``worker_niceness`` is the priority the workers
+        train at (Ray's default, nice 15, puts them below everything else on
+        the node; None keeps it).  ``ssh_identity_file`` and ``ssh_str`` are
+        accepted for compatibility and unused: Ray starts the workers, not ssh.
         """
         if ssh_identity_file is not None or ssh_str is not None:
             log.debug("ssh_identity_file/ssh_str are not used: Ray starts the workers, not ssh")
         return RaySettings(
             timeout_s=float(timeout_s), placement_group_timeout_s=float(placement_group_timeout_s),
             nics=None if nics is None else tuple(nics) if not isinstance(nics, str) else (nics,), verbose=verbose,
+            worker_niceness=worker_niceness,
         )
 
     def __init__(
@@ -126,16 +131,27 @@ class RayExecutor:
         elastic_timeout: float = 600,
         override_discovery: bool = True,
     ) -> None:
-        elastic = {"min_workers": min_workers, "max_workers": max_workers, "reset_limit": reset_limit,
-                   "cooldown_range": cooldown_range}
-        asked = {k: v for k, v in elastic.items() if v is not None}
-        if asked:
-            name, value = next(iter(asked.items()))
-            raise UnsupportedError(
-                f"{name}={value!r}: elastic training on Ray is not available in this version of hora; "
-                "give num_workers (or num_hosts and num_workers_per_host) for a job of fixed size"
-            )
         self.settings = _settings(settings)
+        self.elastic = min_workers is not None
+        if not self.elastic:
+            given = {k: v for k, v in (("max_workers", max_workers), ("reset_limit", reset_limit),
+                                       ("cooldown_range", cooldown_range)) if v is not None}
+            if given:
+                raise ConfigError(f"{', '.join(f'{k}={v!r}' for k, v in given.items())} belong to elastic jobs: "
+                                  "give min_workers too (or leave them out for a job of fixed size)")
+        else:
+            if num_workers is not None or num_hosts is not None:
+                raise ConfigError(f"min_workers={min_workers!r} makes the job elastic, with as many workers as "
+                                  "Ray's nodes hold up to max_workers: leave num_workers and num_hosts out")
+            if isinstance(min_workers, bool) or not isinstance(min_workers, int) or min_workers < 1:
+                raise ConfigError(f"min_workers={min_workers!r} must be a positive integer")
+            if max_workers is not None and (not isinstance(max_workers, int) or max_workers < min_workers):
+                raise ConfigError(f"max_workers={max_workers!r} must be an integer >= min_workers={min_workers}")
+            if not override_discovery:
+                raise UnsupportedError("override_discovery=False: hora.ray always takes the hosts from Ray's nodes")
+            num_workers = min_workers  # what placement-free code below sizes by; the driver decides the rest
+        self.min_workers, self.max_workers, self.reset_limit = min_workers, max_workers, reset_limit
+        self.cooldown_range = tuple(cooldown_range) if cooldown_range is not None else None
         if (num_workers is None) == (num_hosts is None):
             raise ConfigError(
                 f"give either num_workers or num_hosts (with num_workers_per_host), not "
@@ -166,6 +182,7 @@ class RayExecutor:
         self.created_placement_group = False
         #: Seconds spent in each phase of the last :meth:`start` (placement_group, actors, setup, total).
         self.start_timings: dict[str, float] = {}
+        self._elastic_env: dict[str, str] | None = None
         self._members: list[_Member] = []  # in rank order once started
 
     @property
@@ -205,6 +222,17 @@ class RayExecutor:
                               "cluster) before RayExecutor.start()")
         extra = {str(k): str(v) for k, v in (extra_env_vars or {}).items()}
         check_controller(extra, os.environ)
+        if self.elastic:
+            if executable_cls is not None:
+                raise UnsupportedError("executable_cls is not supported in elastic jobs: workers come and go; "
+                                       "build what you need inside the function given to run()")
+            self._elastic_env, notice = job_env(
+                num_workers=self.min_workers, local_size=1, endpoints=Endpoints(addr="0.0.0.0", port=0),
+                settings=self.settings, cpus_per_worker=self.cpus_per_worker, extra_env_vars=extra,
+                driver_env=os.environ)
+            if notice and self.settings.verbose >= 1:
+                log.info(notice)
+            return
         t0 = time.perf_counter()
         try:
             self._place(ray)
@@ -293,9 +321,16 @@ class RayExecutor:
         )
         if notice and self.settings.verbose >= 1:
             log.info(notice)
-        self._collect([m.actor.configure.remote({**env, **s.env(), **visible.get(s.host, {})})
-                       for m, s in zip(self._members, slots, strict=True)], "setting up the workers",
-                      self.settings.timeout_s)
+        refused = self._collect([m.actor.configure.remote({**env, **s.env(), **visible.get(s.host, {})},
+                                                          self.settings.worker_niceness)
+                                 for m, s in zip(self._members, slots, strict=True)], "setting up the workers",
+                                self.settings.timeout_s)
+        reasons = {r for r in refused if r}
+        if reasons and self.settings.verbose >= 1:
+            log.warning("hora.ray: the workers could not lower their niceness to worker_niceness=%s (%s), so they "
+                        "train below the node's other processes; start Ray with RAY_worker_niceness=0 in its "
+                        "environment, or pass worker_niceness=None to create_settings to keep Ray's silently",
+                        self.settings.worker_niceness, "; ".join(sorted(reasons)))
 
     def _visible_gpus(self, slots: Sequence[Any]) -> dict[str, dict[str, str]]:
         """Every worker on a node sees the node's GPUs of this job, in local-rank order, so
@@ -323,7 +358,24 @@ class RayExecutor:
                 or its actor died; every actor of the job is gone by then.
         """
         _no_callbacks(callbacks)
+        if self.elastic:
+            return self._run_elastic(fn, args, kwargs)
         return self._collect(self.run_remote(fn, args, kwargs), "run", None)
+
+    def _run_elastic(self, fn: Callable[..., Any], args: Sequence[Any] | None,
+                     kwargs: Mapping[str, Any] | None) -> list[Any]:
+        from hora.ray.elastic import run_elastic
+
+        if getattr(self, "_elastic_env", None) is None:
+            raise LaunchError("this RayExecutor is not started: call start() first")
+        return run_elastic(
+            _ray(), fn=fn, args=list(args or ()), kwargs=dict(kwargs or {}), env=self._elastic_env,
+            niceness=self.settings.worker_niceness,
+            actor_options={"num_cpus": self.cpus_per_worker, "num_gpus": self.gpus_per_worker},
+            min_workers=self.min_workers, max_workers=self.max_workers, reset_limit=self.reset_limit,
+            elastic_timeout=self.elastic_timeout, cooldown_range=self.cooldown_range,
+            cpus_per_worker=self.cpus_per_worker, gpus_per_worker=self.gpus_per_worker,
+        )
 
     def run_remote(
         self,
@@ -370,6 +422,8 @@ class RayExecutor:
     # -- supervision ------------------------------------------------------------------------------
 
     def _require_started(self) -> None:
+        if self.elastic:
+            raise UnsupportedError("an elastic job only runs functions with run(): its workers come and go")
         if not self._members:
             raise LaunchError("this RayExecutor has no workers: call start() first (after a failure, start() again)")
 
@@ -428,7 +482,7 @@ class RayExecutor:
                 cause = f"raised {type(original).__name__}: {original}"
         else:
             original = error
-            cause = _death_cause(str(error))
+            cause = death_cause(str(error))
         for other_index, other in failures:
             if other_index != index:
                 log.info("hora.ray: %s also failed (%s), after %s", members[other_index].label,
@@ -485,18 +539,3 @@ def _no_callbacks(callbacks: Sequence[Callable[..., Any]] | None) -> None:
     if callbacks:
         raise UnsupportedError("callbacks are not supported by hora.ray: return values from the function instead, "
                                "or log from rank 0 inside it")
-
-
-def _death_cause(text: str) -> str:
-    """A one-line cause from Ray's long actor-death message."""
-    reason = re.search(r"The actor is dead because ([^.]*)\.", text)
-    kind = re.search(r"Worker exit type: (\w+)", text)
-    if reason:
-        cause = f"died: {reason.group(1)}"
-    else:
-        cause = f"died: {text.strip().splitlines()[0] if text.strip() else type(text).__name__}"
-    if kind:
-        cause += f" (Ray's worker exit type {kind.group(1)})"
-    if "node" not in cause:
-        cause += "; it was killed (a signal, the OOM killer), crashed, or lost its node"
-    return cause

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from collections.abc import Mapping, Sequence
 
 from hora import envvars
@@ -35,12 +36,18 @@ class RaySettings:
         nics: network interfaces for the rendezvous and gloo traffic (each
             node must have them); None lets the node's Ray address decide.
         verbose: 0 quiet, 1 the usual notices, 2 the placement of every rank (logged).
+        worker_niceness: the scheduling priority the workers train at.  Ray
+            starts its workers at nice 15 (its ``worker_niceness``), below
+            everything else on the node, where ``hora run`` workers keep the
+            launcher's; each actor lowers its niceness to this value where it
+            may (root or ``CAP_SYS_NICE``).  None keeps Ray's.
     """
 
     timeout_s: float = 30.0
     placement_group_timeout_s: float = 100.0
     nics: tuple[str, ...] | None = None
     verbose: int = 1
+    worker_niceness: int | None = 0
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -54,6 +61,8 @@ class RaySettings:
             if not nics or not all(nics):
                 raise ConfigError(f"nics={self.nics!r} names no interface: give e.g. {{'eth0'}} or leave it None")
             object.__setattr__(self, "nics", nics)
+        if self.worker_niceness is not None and not -20 <= self.worker_niceness <= 19:
+            raise ConfigError(f"worker_niceness={self.worker_niceness!r} must be in -20..19, or None to keep Ray's")
 
     @property
     def network_interface(self) -> str | None:
@@ -188,3 +197,18 @@ def job_env(
         )
     env, _ = build_env(config, local_size=local_size, base=base, endpoints=endpoints)
     return env, notice
+
+
+def death_cause(text: str) -> str:
+    """A one-line cause from Ray's long actor-death message."""
+    reason = re.search(r"The actor is dead because ([^.]*)\.", text)
+    kind = re.search(r"Worker exit type: (\w+)", text)
+    if reason:
+        cause = f"died: {reason.group(1)}"
+    else:
+        cause = f"died: {text.strip().splitlines()[0] if text.strip() else type(text).__name__}"
+    if kind:
+        cause += f" (Ray's worker exit type {kind.group(1)})"
+    if "node" not in cause:
+        cause += "; it was killed (a signal, the OOM killer), crashed, or lost its node"
+    return cause

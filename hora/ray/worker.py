@@ -50,11 +50,15 @@ class Worker:
         address = interface_address(interface) if interface else ray.util.get_node_ip_address()
         return address, free_port(address)
 
-    def configure(self, env: Mapping[str, str]) -> None:
-        """Take the job's environment: an outer job's rank variables go, the job's variables come."""
+    def configure(self, env: Mapping[str, str], niceness: int | None = None) -> str | None:
+        """Take the job's environment (an outer job's rank variables go, the job's come) and priority.
+
+        Returns why the niceness could not be lowered to ``niceness``, or None.
+        """
         for name in NOT_INHERITED:
             os.environ.pop(name, None)
         os.environ.update({str(k): str(v) for k, v in env.items()})
+        return None if niceness is None else _renice(niceness)
 
     def update_env_vars(self, env_vars: Mapping[str, Any]) -> None:
         """Set environment variables in this actor's process (Horovod's name)."""
@@ -85,3 +89,38 @@ class Worker:
     def run(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         """``fn(*args, **kwargs)``."""
         return fn(*args, **kwargs)
+
+    def run_elastic(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[
+            int | None, Any]:
+        """``fn(*args, **kwargs)`` in an elastic job: ``(rank in the last round, value)``, or
+        ``(None, None)`` when the driver retired this worker (its node left, or the job needs fewer)."""
+        from hora.core.elastic import worker as elastic_worker
+
+        try:
+            value = fn(*args, **kwargs)
+        except elastic_worker.WorkerRetired:
+            return None, None
+        except SystemExit as e:  # hvd.elastic.run leaves with SystemExit(0) when retired mid-job
+            if e.code in (0, None):
+                return None, None
+            raise
+        assignment = elastic_worker.current()
+        return (assignment.rank if assignment is not None else None), value
+
+
+def _renice(niceness: int) -> str | None:
+    """Set every thread of this process to ``niceness`` (Linux keeps it per thread, and threads started
+    later inherit it from their creator); the reason when it may not be lowered, else None."""
+    try:
+        threads = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = [0]
+    for tid in threads:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) != niceness:
+                os.setpriority(os.PRIO_PROCESS, tid, niceness)
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+        except OSError as e:
+            return f"{e.strerror} (nice {os.getpriority(os.PRIO_PROCESS, 0)})"
+    return None

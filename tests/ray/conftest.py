@@ -17,10 +17,10 @@ NUM_CPUS = 4
 
 @pytest.fixture(scope="session")
 def ray_local():
-    """A local Ray instance with no dashboard."""
+    """A new local Ray instance with no dashboard (address="local": never a cluster left running here)."""
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=NUM_CPUS, include_dashboard=False, log_to_driver=True)
+    ray.init(address="local", num_cpus=NUM_CPUS, include_dashboard=False, log_to_driver=True)
     yield ray
     ray.shutdown()
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from hora import envvars
-from hora.errors import ConfigError, UnsupportedError
+from hora.errors import ConfigError
 from hora.ray import RayExecutor, RaySettings
-from hora.ray.plan import ActorInfo, assign, bundles, check_controller, job_env
+from hora.ray.plan import ActorInfo, assign, bundles, check_controller, death_cause, job_env
 from hora.runner.env import Endpoints
 
 
@@ -70,12 +70,6 @@ def test_bad_arguments_name_what_to_change(kwargs, words):
         RayExecutor(RayExecutor.create_settings(), **kwargs)
 
 
-@pytest.mark.parametrize("name", ["min_workers", "max_workers", "reset_limit"])
-def test_elastic_parameters_are_refused_until_elastic_exists(name):
-    with pytest.raises(UnsupportedError, match=name):
-        RayExecutor(RayExecutor.create_settings(), **{name: 2})
-
-
 def test_settings_validate_and_keep_horovods_fields():
     s = RayExecutor.create_settings(timeout_s=12, placement_group_timeout_s=5, nics={"eth1", "eth0"},
                                     ssh_identity_file="/nonexistent")
@@ -85,6 +79,9 @@ def test_settings_validate_and_keep_horovods_fields():
         RaySettings(timeout_s=0)
     with pytest.raises(ConfigError, match="placement_group_timeout_s=-1"):
         RaySettings(placement_group_timeout_s=-1)
+    with pytest.raises(ConfigError, match="worker_niceness=20"):
+        RaySettings(worker_niceness=20)
+    assert RaySettings().worker_niceness == 0 and RaySettings(worker_niceness=None).worker_niceness is None
 
 
 @pytest.mark.parametrize("name", [envvars.HORA_CONTROLLER, envvars.HOROVOD_CONTROLLER])
@@ -115,3 +112,13 @@ def test_every_job_gets_a_new_secret():
     kwargs = dict(num_workers=2, local_size=2, endpoints=Endpoints(addr="10.0.0.1", port=1), settings=RaySettings(),
                   cpus_per_worker=1, extra_env_vars={}, driver_env={})
     assert job_env(**kwargs)[0][envvars.HORA_SECRET] != job_env(**kwargs)[0][envvars.HORA_SECRET]
+
+
+def test_an_actors_death_is_told_in_one_line():
+    ray_says = ("The actor died unexpectedly before finishing this task.\n\tclass_name: Worker\n\tactor_id: ab12\n"
+                "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit "
+                "detail: Worker unexpectedly exits with a connection error code 2. End of file. Some common causes")
+    assert death_cause(ray_says) == (
+        "died: its worker process has died (Ray's worker exit type SYSTEM_ERROR); it was killed (a signal, the OOM "
+        "killer), crashed, or lost its node")
+    assert death_cause("The actor is dead because its node has died. Node Id: 3f").startswith("died: its node has died")
