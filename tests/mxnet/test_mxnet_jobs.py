@@ -43,12 +43,12 @@ def test_gluon_trainer_on_hora_parameter_servers(store):
     _ok(proc, f"ps training ok ({store})", 2)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(150)
 def test_a_tensor_only_one_rank_submits_stalls_on_every_rank():
     start = time.monotonic()
-    proc = hora_run(2, [sys.executable, "tests/mxnet/scripts/stall_job.py"], mpi=True, timeout=90,
+    proc = hora_run(2, [sys.executable, "tests/mxnet/scripts/stall_job.py"], mpi=True, timeout=120,
                     env={"HORA_STALL_CHECK_TIME_SECONDS": "1", "HORA_STALL_SHUTDOWN_TIME_SECONDS": "3"})
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 100
     for rank in range(2):
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(f"[{rank}]<stdout>:STALL")), None)
         assert line is not None, (proc.stdout + proc.stderr)[-4000:]

@@ -27,7 +27,8 @@ def expect(error: type[BaseException], fn, *args, must_name: str | None = None, 
         if isinstance(out, mx.nd.NDArray):
             out.wait_to_read()
     except error as e:
-        assert time.monotonic() - start < 10, f"{fn.__name__} took {time.monotonic() - start:.1f}s to raise"
+        # seconds, not a hang; the bound leaves room for a loaded CI host (one negotiation round is milliseconds)
+        assert time.monotonic() - start < 30, f"{fn.__name__} took {time.monotonic() - start:.1f}s to raise"
         if must_name is not None:
             assert must_name in str(e), f"the error does not name {must_name!r}: {e}"
         return e
