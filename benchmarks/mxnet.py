@@ -75,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20, help="untimed steps before them")
     p.add_argument("--batch-size", type=int, default=128, help="batch per worker")
     p.add_argument("--rounds", type=int, default=3, help="rounds of the balanced order of the cases")
+    p.add_argument("--once", action="store_true", help="each case once per round, in the listed order (quick)")
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of " + ",".join(CASES))
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a job may take")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     rates: dict[str, list[float]] = {c: [] for c in cases}
     with tempfile.TemporaryDirectory(prefix="hora-mxbench-") as tmp:
         for _ in range(args.rounds):
-            for case in balanced_order(cases):
+            for case in (cases if args.once else balanced_order(cases)):
                 rates[case].append(run_job(case, args, Path(tmp)))
                 print(f"{CASES[case]}: {rates[case][-1]:,.0f} samples/s", file=sys.stderr, flush=True)
     med = {c: median(v) for c, v in rates.items()}
