@@ -57,8 +57,9 @@ class CollectiveFailedError(tf.errors.FailedPreconditionError, HoraError):
 
 
 def _to_buffer(t: Any) -> np.ndarray:
-    # .numpy() of a scalar tensor is a NumPy scalar, not an array
-    return t if isinstance(t, np.ndarray) else np.asarray(t.numpy())
+    # np.asarray views an eager CPU tensor's memory (read-only) where .numpy() copies it; the engine only
+    # reads inputs (every TF op here writes new outputs), and it keeps a scalar a 0-d array.
+    return t if isinstance(t, np.ndarray) else np.asarray(t)
 
 
 #: eager tensors in (as NumPy arrays: on a GPU this copies through host memory), tf.Tensors out.
