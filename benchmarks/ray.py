@@ -10,8 +10,10 @@
    rank) run through ``RayExecutor.run`` and through ``hora.run(...,
    use_gloo=True)``, which is ``hora run --gloo``'s path.  Each block times
    ``--steps`` steps after ``--warmup`` steps inside the function (slowest
-   rank), so neither side pays its start-up there.  Blocks alternate in
-   ABBA order; the ratio is the median of the per-pair ratios.
+   rank), so neither side pays its start-up there; each block gets new
+   processes on both sides (``--reuse`` keeps one set of actors for every
+   Ray block).  Blocks alternate in ABBA order; the ratio is the median of
+   the per-pair ratios.
 
 Run::
 
@@ -45,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=40, help="timed steps per block")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per block")
     p.add_argument("--batch", type=int, default=128, help="batch per rank")
+    p.add_argument("--reuse", action="store_true",
+                   help="run every Ray block in the same actors (default: a new executor per block, as hora.run "
+                        "starts new processes per block)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     return p.parse_args(argv)
 
@@ -137,23 +142,28 @@ def main(argv: list[str] | None = None) -> int:
 
     models = str(REPO / "examples" / "torch" / "models.py")
     block = (args.steps, args.warmup, args.batch, models)
-    executor = RayExecutor(settings, num_workers=args.workers, cpus_per_worker=1)
-    executor.start()
+    executor = None
     env = {"OMP_NUM_THREADS": "1"}
-    executor.run(mlp_block, args=[2, 1, args.batch, models])  # first call: imports and init, not timed
     rates: dict[str, list[float]] = {"ray": [], "gloo": []}
     order = ["ray", "gloo", "gloo", "ray"]
     for i in range(args.blocks * 2):
         engine = order[i % 4]
         if engine == "ray":
+            if executor is None:
+                executor = RayExecutor(settings, num_workers=args.workers, cpus_per_worker=1)
+                executor.start()
             results = executor.run(mlp_block, args=list(block))
+            if not args.reuse:
+                executor.shutdown()
+                executor = None
         else:
             results = hora.run(mlp_block, args=block, np=args.workers, use_gloo=True, env=env)
         rates[engine].append(results[0]["samples_per_s"])
         cpu = " ".join(f"{r['cpu_s']:.2f}" for r in results)
         print(f"  block {i + 1:2d} {engine:4s} {results[0]['samples_per_s']:9.1f} samples/s, CPU s per rank {cpu}"
               f"   load {load()}", flush=True)
-    executor.shutdown()
+    if executor is not None:
+        executor.shutdown()
     ray.shutdown()
 
     ratios = [r / g for r, g in zip(rates["ray"], rates["gloo"], strict=True)]

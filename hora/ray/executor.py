@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from hora.errors import ActorFailedError, ConfigError, LaunchError, PlacementTimeoutError, UnsupportedError
+from hora.errors import ActorFailedError, ConfigError, HoraError, LaunchError, PlacementTimeoutError, UnsupportedError
 from hora.ray.plan import ActorInfo, RaySettings, assign, bundles, check_controller, death_cause, job_env
 from hora.runner.env import Endpoints
 
@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 FAILURE_GRACE_S = 2.0
 #: How long teardown waits for Ray to report the killed actors dead.
 TEARDOWN_WAIT_S = 10.0
+#: How long the failure report waits for silent ranks when every failure so far is a broken collective.
+PROBE_S = 10.0
 
 
 def _ray() -> Any:
@@ -466,15 +468,21 @@ class RayExecutor:
             if failures and grace_end is None:
                 grace_end = time.monotonic() + FAILURE_GRACE_S
         if failures:
-            self._fail(ray, failures, members, what)
+            self._fail(ray, failures, members, what, pending)
         return [results[i] for i in range(len(refs))]
 
-    def _fail(self, ray: Any, failures: list[tuple[int, Exception]], members: list[_Member], what: str) -> None:
+    def _fail(self, ray: Any, failures: list[tuple[int, Exception]], members: list[_Member], what: str,
+              pending: dict[Any, int]) -> None:
         # A death is a root cause; a rank whose collective broke because its peer died is a consequence.
         deaths = [f for f in failures if not isinstance(f[1], ray.exceptions.RayTaskError)]
+        if not deaths and pending and all(isinstance(getattr(e, "cause", None), HoraError) for _, e in failures):
+            deaths = self._silent(ray, pending)
         index, error = (deaths or failures)[0]
         member = members[index]
-        if isinstance(error, ray.exceptions.RayTaskError):
+        if isinstance(error, TimeoutError):
+            original = None
+            cause = f"stopped answering: {error} (its node may be lost or cut off)"
+        elif isinstance(error, ray.exceptions.RayTaskError):
             original = error.cause
             if original is None:
                 cause = f"raised: {str(error).strip().splitlines()[-1]}"
@@ -492,6 +500,24 @@ class RayExecutor:
             member.rank if member.rank is not None else -1, member.actor_id, member.node, f"{cause} (during {what}); "
             "every worker actor of the job was stopped",
         ) from original
+
+    def _silent(self, ray: Any, pending: dict[Any, int]) -> list[tuple[int, Exception]]:
+        """The ranks still running when every failure so far is a broken collective: when a node is lost,
+        its peers' collectives fail at once, while Ray may take many seconds to declare its actors dead.
+        Waits up to :data:`PROBE_S` for Ray's verdict; a rank still silent then is the root cause."""
+        ready, late = ray.wait(list(pending), num_returns=len(pending), timeout=PROBE_S)
+        lost: list[tuple[int, Exception]] = []
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayTaskError:
+                continue
+            except ray.exceptions.RayError as e:
+                lost.append((pending[ref], e))
+        if not lost:
+            lost = [(pending[ref], TimeoutError(f"its peers' collectives broke and it gave no result within "
+                                                f"{PROBE_S:g} s more")) for ref in late]
+        return sorted(lost, key=lambda item: item[0])
 
     def _teardown(self) -> None:
         members, self._members = self._members, []
