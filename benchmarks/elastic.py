@@ -109,13 +109,23 @@ def worker_hora(args) -> None:
 
 
 def worker_ddp(args) -> None:
+    import faulthandler
+
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    dist.init_process_group("gloo")
+    stacks = open(os.path.join(args.logdir, f"stacks.{os.getpid()}"), "w")  # noqa: SIM115 - lives as long as the worker
+    faulthandler.dump_traceback_later(120, file=stacks)  # where a stuck worker waits
+    # A restarted group hangs in gloo's connect when it rendezvous under the first attempt's keys of the
+    # agent's store (torch 2.13, CPU): give each attempt its own prefix.
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"bench/{restart}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     rank = dist.get_rank()
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    first_attempt = restart == "0"
     model, teacher = _model_and_data()
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     ckpt = os.path.join(args.logdir, "ddp.ckpt")
@@ -139,6 +149,7 @@ def worker_ddp(args) -> None:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt + ".tmp")
             os.replace(ckpt + ".tmp", ckpt)
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
 
 
 # --------------------------------------------------------------------------- the driver

@@ -15,6 +15,7 @@ import os
 import signal
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -55,7 +56,8 @@ def test_a_host_dies_training_continues_and_the_host_is_readmitted(cluster, pope
         "for h in h1 h2 h3; do\n"
         f"  timeout 4 ssh -F {cluster.ssh_config} -o BatchMode=yes -o ConnectTimeout=2 $h true >/dev/null 2>&1 "
         "&& echo $h:2\n"
-        "done\n")
+        "done\n"
+        "exit 0\n")
     discover.chmod(discover.stat().st_mode | stat.S_IXUSR)
     log, weights, stop = tmp_path / "log.jsonl", tmp_path / "weights.jsonl", tmp_path / "stop"
     stderr_path = tmp_path / "stderr"
@@ -63,7 +65,7 @@ def test_a_host_dies_training_continues_and_the_host_is_readmitted(cluster, pope
     proc = popen_on_h1(
         "-np", "6", "--min-np", "4", "--max-np", "6", "--host-discovery-script", str(discover),
         "--blacklist-cooldown-range", "5", "10", "--elastic-timeout", "300",
-        "python", str(TRAIN), "--logfile", str(log), "--weights-file", str(weights), "--epochs", "1000",
+        sys.executable, str(TRAIN), "--logfile", str(log), "--weights-file", str(weights), "--epochs", "1000",
         "--batches-per-epoch", "5", "--batch-wait", "0.2", "--stop-file", str(stop),
         stdout=subprocess.DEVNULL, stderr=stderr_file)
     h3 = cluster.host("h3")
