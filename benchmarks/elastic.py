@@ -65,9 +65,9 @@ def _batch(step: int, rank: int, batch: int, teacher):
     return x, (x @ teacher).argmax(1)
 
 
-def _log_step(logdir: str, tag: str, step: int, loss: float) -> None:
+def _log_step(logdir: str, tag: str, rank: int, step: int, loss: float) -> None:
     with open(os.path.join(logdir, f"steps.{os.getpid()}.{tag}"), "a") as f:
-        f.write(f"{time.time():.6f} {step} {loss:.6f}\n")
+        f.write(f"{time.time():.6f} {step} {loss:.6f} {rank}\n")
 
 
 def _maybe_kill(args, start_rank: int, step: int, first_attempt: bool) -> None:
@@ -100,7 +100,7 @@ def worker_hora(args) -> None:
             loss.backward()
             opt.step()
             state.step += 1
-            _log_step(args.logdir, "hora", state.step, float(loss))
+            _log_step(args.logdir, "hora", hvd.rank(), state.step, loss.item())
             if state.step % args.commit_every == 0:
                 state.commit()
 
@@ -144,7 +144,7 @@ def worker_ddp(args) -> None:
         loss.backward()
         opt.step()
         step += 1
-        _log_step(args.logdir, "ddp", step, float(loss))
+        _log_step(args.logdir, "ddp", rank, step, loss.item())
         if step % args.commit_every == 0 and rank == 0:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt + ".tmp")
             os.replace(ckpt + ".tmp", ckpt)
@@ -177,7 +177,7 @@ def _analyse(logdir: str, tag: str, commit_every: int) -> dict[str, float]:
     rows = []
     for path in glob.glob(os.path.join(logdir, f"steps.*.{tag}")):
         with open(path) as f:
-            rows += [(float(t), int(s), float(loss)) for t, s, loss in (line.split() for line in f)]
+            rows += [(float(t), int(s), float(loss), int(r)) for t, s, loss, r in (line.split() for line in f)]
     before = [r for r in rows if r[0] <= killed]
     after = sorted(r for r in rows if r[0] > killed)
     last_before = max(before, key=lambda r: r[1])
@@ -185,7 +185,8 @@ def _analyse(logdir: str, tag: str, commit_every: int) -> dict[str, float]:
     # at the first step after the kill numbered at most one past the last restart point.
     restart_point = last_before[1] // commit_every * commit_every
     first = next(r for r in after if r[1] <= restart_point + 1)
-    same_step = [r for r in before if r[1] == first[1]]
+    # The same rank at the same step before the kill: its data and (restored) weights are the same.
+    same_step = [r for r in before if r[1] == first[1] and r[3] == first[3]]
     return {
         "recovery_s": first[0] - killed,
         "steps_lost": last_before[1] - (first[1] - 1),
