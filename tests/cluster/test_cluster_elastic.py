@@ -54,7 +54,7 @@ def test_a_host_dies_training_continues_and_the_host_is_readmitted(cluster, pope
     discover.write_text(
         "#!/bin/sh\n"
         "for h in h1 h2 h3; do\n"
-        f"  timeout 4 ssh -F {cluster.ssh_config} -o BatchMode=yes -o ConnectTimeout=2 $h true >/dev/null 2>&1 "
+        f"  timeout 20 ssh -F {cluster.ssh_config} -o BatchMode=yes -o ConnectTimeout=15 $h true >/dev/null 2>&1 "
         "&& echo $h:2\n"
         "done\n"
         "exit 0\n")

@@ -355,3 +355,19 @@ def test_driver_bounds_connections_that_never_authenticate(driver):
     for s in idle:
         s.close()
     extra.close()
+
+
+def test_a_retired_worker_leaves_with_status_0():
+    from hora.core.elastic.worker import WorkerRetired
+
+    state, _ = _state(epoch=0)
+
+    def train(s):
+        raise HostsUpdatedInterrupt()
+
+    def reset():
+        raise WorkerRetired("its host left the job")
+
+    with pytest.raises(SystemExit) as info:
+        run_fn(train, reset)(state)
+    assert info.value.code == 0 and "host left" in str(info.value)

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from hora.core.elastic.state import State
-from hora.core.elastic.worker import WorkerRetired
 from hora.elastic_wire import WireError
 from hora.errors import BackendError, HostsUpdatedInterrupt, InternalError
 
@@ -42,7 +41,8 @@ def run_fn(func: F, reset: Callable[[], None]) -> F:
 
     Returns:
         The wrapped function.  A worker that the driver no longer needs
-        (its host was removed) leaves with ``SystemExit(0)``.
+        (its host was removed) leaves with :class:`~hora.core.elastic.worker.WorkerRetired`,
+        a ``SystemExit(0)``.
     """
 
     @functools.wraps(func)
@@ -71,9 +71,6 @@ def _reform(reset: Callable[[], None]) -> None:
         try:
             reset()
             return
-        except WorkerRetired as e:
-            log.info("%s; leaving", e)
-            raise SystemExit(0) from None
         except (BackendError, InternalError, WireError) as e:
             if attempt == RESET_ATTEMPTS:
                 raise

@@ -25,13 +25,25 @@ from collections.abc import Mapping
 
 from hora import elastic_wire, envvars
 from hora.config import ElasticConfig
-from hora.errors import HoraError, TopologyError
+from hora.errors import TopologyError
 
 log = logging.getLogger(__name__)
 
 
-class WorkerRetired(HoraError):
-    """The elastic driver has no place for this worker in the next round; the process should exit 0."""
+class WorkerRetired(SystemExit):
+    """The elastic driver has no place for this worker in the next round (its host left, or the job is done).
+
+    Not an error: a ``SystemExit`` with status 0, so a worker told to leave at
+    its first ``init()``, or at a reset inside ``hvd.elastic.run``, exits
+    quietly and successfully.  The message says why, in ``reason``.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(0)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return self.reason
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -97,7 +109,9 @@ def rendezvous(config: ElasticConfig, env: Mapping[str, str]) -> dict[str, str]:
     finally:
         channel.close()
     if "stop" in reply:
-        raise WorkerRetired(f"worker {config.worker_id} is not part of the next round: {reply['stop']}")
+        reason = f"worker {config.worker_id} is not part of the next round: {reply['stop']}"
+        log.info("%s; leaving", reason)
+        raise WorkerRetired(reason)
     a = Assignment(**{f.name: reply[f.name] for f in dataclasses.fields(Assignment)})
     _current = a
     log.info("elastic round %d: rank %d of %d on %s", a.round, a.rank, a.size, a.hostname)
