@@ -10,14 +10,21 @@ clear error instead of a rendezvous with strangers.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ROOT, job_env
+
+# tests/conftest.py by path: under a whole-suite run the name "conftest" may be another directory's
+_spec = importlib.util.spec_from_file_location("hora_tests_conftest", Path(__file__).with_name("conftest.py"))
+_conftest = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_conftest)
+ROOT, job_env = _conftest.ROOT, _conftest.job_env
 
 pytestmark = pytest.mark.timeout(180)
 dist = pytest.importorskip("torch.distributed")

@@ -125,30 +125,31 @@ def long_frame(size: int) -> bytes:
     return b"\x02" + size.to_bytes(8, "big")
 
 
-def raw_stream(endpoint: str, chunks: Iterable[bytes], identity: bytes = b"w0", timeout: float = 5.0) -> int:
-    """Send a greeting, a READY and then ``chunks`` over raw TCP until the listener closes the connection;
-    the number of bytes it accepted."""
-    sent = 0
+def raw_stream(endpoint: str, chunks: Iterable[bytes], identity: bytes = b"w0", timeout: float = 10.0) -> bool:
+    """Send a greeting, a READY and then ``chunks`` over raw TCP, stopping when the listener closes the
+    connection; whether it did close it (within ``timeout`` seconds of the last byte this side could send)."""
     with socket.create_connection(host_port(endpoint), timeout=timeout) as s:
         try:
             for chunk in (greeting(), ready(identity), *chunks):
                 s.sendall(chunk)
-                sent += len(chunk)
-        except OSError:  # reset or closed by the listener: what should happen
+            while s.recv(65536):  # the listener's greeting, then end of file once it gave up on us
+                pass
+        except TimeoutError:
+            return False  # still open: the listener is reading whatever we send
+        except OSError:  # reset by the listener
             pass
-    return sent
+    return True
 
 
-def flood(endpoint: str, messages: int = 12, frames: int = 1_000_000, connections: int = 6) -> dict[str, int]:
+def flood(endpoint: str, messages: int = 12, frames: int = 1_000_000, connections: int = 6) -> list[bool]:
     """``messages`` messages of ``frames`` empty frames, spread over ``connections`` raw connections (about
-    24 MB for the defaults, as in issue 19), then a 64 MiB header frame on one more."""
-    accepted = 0
+    24 MB for the defaults, as in issue 19), then a 64 MiB header frame on one more; for each connection,
+    whether the listener closed it."""
     per = max(1, messages // connections)
-    for i in range(connections):
-        accepted += raw_stream(endpoint, [many_frames(frames)] * per, identity=b"flood%d" % i)
+    closed = [raw_stream(endpoint, [many_frames(frames)] * per, identity=b"flood%d" % i) for i in range(connections)]
     header = long_frame(64 << 20)
-    accepted += raw_stream(endpoint, [header + b"\0" * (1 << 20)] + [b"\0" * (1 << 20)] * 63, identity=b"big")
-    return {"bytes_accepted": accepted}
+    closed.append(raw_stream(endpoint, [header + b"\0" * (1 << 20)] + [b"\0" * (1 << 20)] * 63, identity=b"big"))
+    return closed
 
 
 def listening_endpoint(pid: int, timeout: float = 30.0) -> str:

@@ -150,11 +150,11 @@ def test_taking_the_workers_ids_first_stops_nothing(tmp_path):
 def test_floods_of_frames_and_huge_headers_stop_nothing(tmp_path, servers):
     """Issue 19, attack 2: 12 messages of 1,000,000 empty frames over 6 connections, and a 64 MiB header,
     at the scheduler and every server while the job runs (this stalled a server into being declared dead)."""
-    accepted: list[int] = []
+    closed: list[bool] = []
     with Cluster(tmp_path, 2, servers, env=ENV) as c:
-        _attack_roles(c, lambda ep: accepted.append(ps_attack.flood(ep)["bytes_accepted"]), before_workers=False)
-    # each listener closed the connection at the greeting: it read a few KiB, never the 24 MB or the 64 MiB
-    assert max(accepted) < 16 * MiB, accepted
+        _attack_roles(c, lambda ep: closed.extend(ps_attack.flood(ep)), before_workers=False)
+    # each listener closed every connection at the greeting, whatever the kernel had buffered by then
+    assert closed and all(closed), closed
 
 
 def test_forged_truncated_and_replayed_frames_from_outsiders_change_nothing(tmp_path):
