@@ -30,6 +30,7 @@ the job secret, bound to a per-connection nonce.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import queue
 import signal
@@ -422,6 +423,12 @@ class ElasticDriver:
             return self._fail(f"the ring was re-formed {resets} times, more than --reset-limit "
                               f"{self.settings.reset_limit}")
         stores = {w.seq: (self._waiting[w.seq].addr, self._waiting[w.seq].port) for w in members}
+        addr, port = stores[members[0].seq]
+        remote = next((w.host for w in members if not is_local_host(w.host)), None)
+        if remote is not None and ipaddress.ip_address(addr).is_loopback:
+            # Rank 0 runs here and reached the driver over loopback: the other hosts need this machine's
+            # address towards them, which rank 0's store then listens on.
+            stores[members[0].seq] = (self.advertise(remote), port)
         placement = assign(members, stores, round_)
         with self._lock:
             self.round = round_
