@@ -93,6 +93,17 @@ def test_encryption_mismatch_between_roles_is_a_clear_error(tmp_path):
         assert "HORA_PS_ENCRYPT" in message, message
 
 
+def test_roles_that_start_further_apart_than_the_timeout_still_join(tmp_path):
+    """A registered server heartbeats while it waits for the workers: a worker that starts after more than
+    HORA_PS_TIMEOUT (a slow torch import on a busy host) still finds the job alive."""
+    with Cluster(tmp_path, 1, 1, env=FAST) as c:
+        c.start_roles()
+        time.sleep(3 * TIMEOUT)
+        (r,) = c.run_workers("sums", "dist_sync", "float32", "int", "2", timeout=60)
+        assert r.returncode == 0, c.report()
+        assert c.wait_roles() == [0, 0], c.report()
+
+
 def test_no_scheduler_is_a_clear_error(tmp_path):
     with Cluster(tmp_path, 1, 1, env={"HORA_PS_START_TIMEOUT": "2"}) as c:
         r = c.finish(c.start_worker("join_only"), 30)

@@ -94,6 +94,9 @@ class SchedulerLink:
             if not heard and now >= next_register:
                 send(self.sock, wire.encode(self._register, (), self.key))
                 next_register = now + max(1.0, 2 * (cfg.heartbeat_s or 1.0))
+            elif heard and now - self._last_beat >= cfg.heartbeat_s:  # registered: stay alive while others join
+                self._last_beat = now
+                self.send({"c": int(Cmd.HEARTBEAT)})
             self._check_handshake()
             if self.sock.poll(200):
                 for msg in self.incoming():
