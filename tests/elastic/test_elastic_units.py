@@ -371,3 +371,16 @@ def test_a_retired_worker_leaves_with_status_0():
     with pytest.raises(SystemExit) as info:
         run_fn(train, reset)(state)
     assert info.value.code == 0 and "host left" in str(info.value)
+
+
+def test_workers_of_one_host_failing_together_count_as_one_failure(driver):
+    driver.hosts.cooldown_range = (1.0, 8.0)
+    driver.hosts.update({"a": 2, "b": 1})
+    for seq, host in ((0, "a"), (1, "a"), (2, "b")):
+        driver.workers[seq] = Worker(seq, host)
+    driver.sink = type("Sink", (), {"tail": staticmethod(lambda key: [])})()
+    driver.spawner.exits.put((0, -9))
+    driver.spawner.exits.put((1, 255))
+    driver._reap()
+    assert driver.hosts.records["a"].failures == 1  # one event: the host went down
+    assert [f.rank for f in driver.failures] == [0, 1] and "b" not in driver.hosts.records

@@ -316,7 +316,8 @@ class ElasticDriver:
                 self.failures.append(RankExit(rank=seq, host=worker.host, returncode=code, stderr_tail=tail,
                                               note="worker sequence number, not a rank"))
                 log.warning("worker %d on %s %s", seq, worker.host, describe_returncode(code))
-                self.hosts.blacklist(worker.host)
+                if not self.hosts.is_blacklisted(worker.host):  # its other workers going down too is one event
+                    self.hosts.blacklist(worker.host)
 
     def _take_requests(self) -> None:
         while True:
