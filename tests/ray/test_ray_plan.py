@@ -122,3 +122,21 @@ def test_an_actors_death_is_told_in_one_line():
         "died: its worker process has died (Ray's worker exit type SYSTEM_ERROR); it was killed (a signal, the OOM "
         "killer), crashed, or lost its node")
     assert death_cause("The actor is dead because its node has died. Node Id: 3f").startswith("died: its node has died")
+
+
+def test_the_worker_keeps_horovods_methods(monkeypatch):
+    import socket
+
+    from hora.ray import BaseHorovodWorker
+
+    monkeypatch.setenv(envvars.HORA_RANK, "7")  # an outer job's rank must not survive configure()
+    for name in ("HORA_TEST_VALUE", "HORA_TEST_OTHER"):  # the worker sets them here: undone after the test
+        monkeypatch.setenv(name, "")
+    worker = BaseHorovodWorker()
+    worker.update_env_vars({"HORA_TEST_VALUE": 1123123})
+    assert worker.env_vars()["HORA_TEST_VALUE"] == "1123123" and worker.hostname() == socket.gethostname()
+    worker.configure({"HORA_TEST_OTHER": "x"})
+    assert envvars.HORA_RANK not in worker.env_vars() and worker.env_vars()["HORA_TEST_OTHER"] == "x"
+    worker.start_executable(dict, [], {"a": 1})
+    assert worker.execute(lambda executable: executable["a"]) == 1
+    assert worker.run(lambda x, y=0: x + y, [2], {"y": 3}) == 5
