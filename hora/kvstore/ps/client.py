@@ -263,7 +263,11 @@ class Client:
         Raises:
             HoraError: the job already failed, or the store is closed.
             ConfigError: an array is larger than ``HORA_PS_MAX_FRAME_BYTES``.
+            PSError: more arrays than one message carries.
         """
+        if len(arrays) > wire.MAX_FRAMES - 2:
+            raise PSError(f"{cmd.name}: {len(arrays)} arrays in one message; a message carries at most "
+                          f"{wire.MAX_FRAMES - 2} (a server drops longer ones unread)")
         too_big = [a.nbytes for a in arrays if a.nbytes > self.config.max_frame_bytes]
         if too_big:
             raise ConfigError(f"{cmd.name}: an array of {max(too_big)} bytes exceeds HORA_PS_MAX_FRAME_BYTES="
