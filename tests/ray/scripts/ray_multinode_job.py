@@ -83,6 +83,12 @@ def main() -> int:
 
     logging.basicConfig(level=logging.INFO, format="driver %(name)s: %(message)s")  # the elastic driver's story
     ray.init(address=address)
+    deadline = time.monotonic() + 300  # on a loaded machine a node may take minutes to join
+    while sum(node["Alive"] for node in ray.nodes()) < 3:
+        if time.monotonic() > deadline:
+            print(json.dumps({"error": "nodes", "message": f"only {ray.nodes()} joined"}), flush=True)
+            return 1
+        time.sleep(1)
     if mode == "static":
         executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_hosts=3, num_workers_per_host=2)
         executor.start()
