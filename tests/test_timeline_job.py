@@ -10,7 +10,7 @@ import time
 from collections import defaultdict
 
 import pytest
-from conftest import ROOT, job_env
+from tests.conftest import ROOT, job_env
 
 SCRIPT = "tests/scripts/timeline_job.py"
 
