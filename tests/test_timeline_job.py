@@ -10,6 +10,7 @@ import time
 from collections import defaultdict
 
 import pytest
+
 from tests.conftest import ROOT, job_env
 
 SCRIPT = "tests/scripts/timeline_job.py"
