@@ -173,6 +173,15 @@ def _differentiable(forward: Callable[..., Any], backward: Callable[..., Any], i
     return op(*inputs)
 
 
+def _carried(t: tf.Tensor) -> tf.Tensor:
+    """uint16, which the engine has no type for, travels as int16 bits in ops that do no arithmetic."""
+    return tf.bitcast(t, tf.int16) if t.dtype == tf.uint16 else t
+
+
+def _restored(t: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    return tf.bitcast(t, tf.uint16) if dtype == tf.uint16 else t
+
+
 def _as_tensors(tensors: Sequence[Any]) -> list[tf.Tensor]:
     return [tf.convert_to_tensor(t) for t in tensors]
 
@@ -314,7 +323,8 @@ def _allgather_tensors(tensors: list[tf.Tensor], name: str | None, process_set: 
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Concatenate every rank's ``tensor`` along the first dimension (which may differ between ranks)."""
     tensor = tf.convert_to_tensor(tensor)
-    return _allgather_tensors([tensor], _graph_name("HorovodAllgather", tensor, name), process_set)[0]
+    out = _allgather_tensors([_carried(tensor)], _graph_name("HorovodAllgather", tensor, name), process_set)[0]
+    return _restored(out, tensor.dtype)
 
 
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -322,7 +332,9 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
     tensors = _as_tensors(tensors)
     if not tensors:
         return []
-    return _allgather_tensors(tensors, _graph_name("HorovodGroupedAllgather", tensors[0], name), process_set)
+    outs = _allgather_tensors([_carried(t) for t in tensors],
+                              _graph_name("HorovodGroupedAllgather", tensors[0], name), process_set)
+    return [_restored(o, t.dtype) for o, t in zip(outs, tensors, strict=True)]
 
 
 # ------------------------------------------------------------------------------------ broadcast
@@ -358,7 +370,9 @@ def _broadcast_tensors(tensors: list[tf.Tensor], root_rank: int, name: str | Non
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set):
     """The root's ``tensor`` on every rank of the process set."""
     tensor = tf.convert_to_tensor(tensor)
-    return _broadcast_tensors([tensor], root_rank, _graph_name("HorovodBroadcast", tensor, name), process_set)[0]
+    out = _broadcast_tensors([_carried(tensor)], root_rank, _graph_name("HorovodBroadcast", tensor, name),
+                             process_set)[0]
+    return _restored(out, tensor.dtype)
 
 
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
@@ -453,7 +467,9 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
         from each rank, ``(output, received_splits)``, as Horovod does.
     """
     tensor = tf.convert_to_tensor(tensor)
-    out, received = _alltoall_tensor(tensor, splits, _graph_name("HorovodAlltoall", tensor, name), process_set)
+    out, received = _alltoall_tensor(_carried(tensor), splits, _graph_name("HorovodAlltoall", tensor, name),
+                                     process_set)
+    out = _restored(out, tensor.dtype)
     return (out, received) if splits is not None else out
 
 

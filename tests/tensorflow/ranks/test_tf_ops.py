@@ -274,3 +274,19 @@ def test_sync_batch_norm_uses_every_ranks_batch():
     mean, var = full.mean(0), full.var(0)
     np.testing.assert_allclose(out, (mine - mean) / np.sqrt(var + layer.epsilon), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(layer.moving_mean.numpy(), mean, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_uint16_travels_through_ops_without_arithmetic(mode):
+    r, n = hvd.rank(), hvd.size()
+    t = tf.constant([60000 + r, r], tf.uint16)
+    rows = tf.constant([60000 + r, r] * n, tf.uint16)  # chunk i goes to rank i
+
+    def f(x, y):
+        return hvd.allgather(x), hvd.broadcast(x, n - 1), hvd.alltoall(y)
+
+    gathered, bcast, a2a = run(mode, f, t, rows)
+    assert gathered.dtype == tf.uint16 and bcast.dtype == tf.uint16 and a2a.dtype == tf.uint16
+    assert gathered.numpy().tolist() == [v for i in range(n) for v in (60000 + i, i)]
+    assert bcast.numpy().tolist() == [60000 + n - 1, n - 1]
+    assert a2a.numpy().tolist() == [v for i in range(n) for v in (60000 + i, i)]
