@@ -12,7 +12,10 @@ from hora.core.autotune import COLUMNS
 MiB = 1024 * 1024
 
 
-@pytest.mark.parametrize("controller", ["mpi", "gloo"])
+# gloo only: there a call costs ~0.5 ms, so fusing 200 tiny tensors is clearly best.  Under MPI a call costs
+# ~5 us, less than each request's Python, and on a quiet host fused and unfused steps score alike (measured
+# 2026-11-25: 0.77 vs 0.78 MB/s), so "clearly best" would depend on the machine's load.
+@pytest.mark.parametrize("controller", ["gloo"])
 def test_autotune_picks_fusion_for_many_tiny_tensors(run_job, tmp_path, controller):
     log_file = tmp_path / "autotune.csv"
     proc = run_job(2, [sys.executable, "tests/scripts/autotune_job.py", "70"], mpi=controller == "mpi", timeout=240,
