@@ -107,7 +107,9 @@ def test_too_few_hosts_past_the_elastic_timeout_fails(run_job, tmp_path):
     proc, _, _ = run_elastic(run_job, tmp_path, np=4, min_np=4, schedule={None: ["localhost:2", "127.0.0.1:2"]},
                              exit_schedule={"1,0": [0]}, extra=["--elastic-timeout", "5"])
     assert proc.returncode != 0
-    assert "fewer than --min-np 4 workers could run for 5 s" in proc.stderr
+    # The driver or a waiting worker may reach the timeout first (a race on a loaded host); either says why.
+    assert ("fewer than --min-np 4 workers could run for 5 s" in proc.stderr
+            or "the elastic driver formed no round within 5 s" in proc.stderr), proc.stderr[-2000:]
 
 
 def test_blacklisted_host_returns_after_its_cooldown(run_job, tmp_path):
