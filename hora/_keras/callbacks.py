@@ -206,10 +206,32 @@ class LearningRateWarmupMixin(LearningRateScheduleMixin):
                         _get_float(self.model.optimizer.learning_rate))
 
 
+class RootOnlyCheckpointMixin:
+    """Keras's ``ModelCheckpoint(save_best_only=True)``, writing on rank 0 only.
+
+    Mixed in before the framework's ``ModelCheckpoint``.  Place the callback
+    after ``MetricAverageCallback`` so that "best" is judged on the metrics
+    averaged over all ranks.
+    """
+
+    def __init__(self, filepath: str, monitor: str = "val_loss", verbose: int = 0, mode: str = "auto",
+                 save_freq: Any = "epoch", save_weights_only: bool = False) -> None:
+        super().__init__(filepath, monitor=monitor, verbose=verbose, save_best_only=True,  # type: ignore[call-arg]
+                         save_weights_only=save_weights_only, mode=mode, save_freq=save_freq)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if is_root_rank():
+            super().on_train_batch_end(batch, logs)  # type: ignore[misc]
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if is_root_rank():
+            super().on_epoch_end(epoch, logs)  # type: ignore[misc]
+
+
 def is_root_rank() -> bool:
     """True on global rank 0, where checkpoints are written."""
     return runtime.current().engine.rank == 0
 
 
 __all__ = ["BroadcastGlobalVariablesMixin", "LearningRateScheduleMixin", "LearningRateWarmupMixin",
-           "MetricAverageMixin", "global_process_set", "is_root_rank"]
+           "MetricAverageMixin", "RootOnlyCheckpointMixin", "global_process_set", "is_root_rank"]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import tensorflow as tf
 
 from hora._keras.callbacks import (
@@ -11,7 +9,7 @@ from hora._keras.callbacks import (
     LearningRateScheduleMixin,
     LearningRateWarmupMixin,
     MetricAverageMixin,
-    is_root_rank,
+    RootOnlyCheckpointMixin,
 )
 
 
@@ -31,21 +29,8 @@ class LearningRateWarmupCallback(LearningRateWarmupMixin, tf.keras.callbacks.Cal
     """Gradual warmup from ``initial_lr / size`` to ``initial_lr`` over ``warmup_epochs``."""
 
 
-class BestModelCheckpoint(tf.keras.callbacks.ModelCheckpoint):
+class BestModelCheckpoint(RootOnlyCheckpointMixin, tf.keras.callbacks.ModelCheckpoint):
     """``ModelCheckpoint(save_best_only=True)`` that writes on rank 0 only (place it after MetricAverageCallback)."""
-
-    def __init__(self, filepath: str, monitor: str = "val_loss", verbose: int = 0, mode: str = "auto",
-                 save_freq: Any = "epoch", save_weights_only: bool = False) -> None:
-        super().__init__(filepath, monitor=monitor, verbose=verbose, save_best_only=True,
-                         save_weights_only=save_weights_only, mode=mode, save_freq=save_freq)
-
-    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        if is_root_rank():
-            super().on_train_batch_end(batch, logs)
-
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        if is_root_rank():
-            super().on_epoch_end(epoch, logs)
 
 
 __all__ = ["BestModelCheckpoint", "BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback",
