@@ -30,7 +30,11 @@ What each phase means in hora:
 * ``<BACKEND>_<OP>``: from starting the backend collective until it is done.
 
 Recording never blocks a collective: the engine appends a small tuple to a
-bounded queue and a writer thread formats and writes it.  When the queue is
+bounded queue and a writer thread formats and writes it.  In the steady state
+(every tensor of a step found ready on every rank in one round) the round's
+negotiations travel as one record, and each tensor's whole collective is
+written in one piece when its bucket is done, from text cut once per round
+and bucket; the output is the same as the general path's.  When the queue is
 full the record is dropped and counted; the file gets a ``TIMELINE_DROPPED``
 instant with the count and the log says how many.  The disabled cost on the
 engine's path is one attribute check per round and per bucket.
@@ -72,7 +76,7 @@ log = logging.getLogger(__name__)
 MiB = 1024 * 1024
 
 #: Records the engine puts on the queue (the first element of each tuple).
-_CYCLE, _NEGOTIATION, _BUCKET, _SINGLE = range(4)
+_CYCLE, _NEGOTIATION, _READY_AT_ONCE, _BUCKET, _SINGLE = range(5)
 
 #: Control requests that never appear in a timeline.
 _HIDDEN = frozenset({CollectiveType.JOIN, CollectiveType.ADD_PROCESS_SET, CollectiveType.REMOVE_PROCESS_SET})
@@ -88,6 +92,8 @@ _ACTIVITY = {
 }
 
 QUEUE = "QUEUE"
+_PID, _SUBMITTED = "\x01", "\x02"  # where _negotiation_pieces cuts a template (no event text holds them)
+_UNLABELLED = ("", "UNKNOWN")
 MEMCPY_IN = "MEMCPY_IN_FUSION_BUFFER"
 MEMCPY_OUT = "MEMCPY_OUT_FUSION_BUFFER"
 
@@ -163,7 +169,10 @@ class Timeline:
         self._pids: dict[str, int] = {}
         self._open: dict[int, int] = {}  # pid -> spans open in the file
         self._written_drops = 0
-        self._ops_open: dict[str, tuple[float, Any]] = {}  # name -> (op start, signature)
+        # name -> (op start, signature, deferred): the <OP> spans open in the file.  deferred is None, or
+        # (submitted, seen, ranks, pieces) of a negotiation done in one round whose text is still to be
+        # written, with the bucket (see _format_ready_at_once); its span is counted in _open once written
+        self._ops_open: dict[str, tuple[float, Any, Any]] = {}
         self._quoted: dict[str, str] = {}  # instant name -> as JSON
         self._args_of: dict[int, tuple[Any, str]] = {}  # id(signature) -> (signature, closing args)
         self._file = None
@@ -215,43 +224,62 @@ class Timeline:
             ready: the round's :class:`~hora.core.negotiation.Ready` list.
         """
         neg = self._negotiating
-        seen: dict[str, int] = {}  # name -> ranks ready this round, from the cached ids
+        labels = self._labels
         by_id = cache.by_id
         counts = totals[header:]
-        for i in (counts.nonzero()[0].tolist() if hasattr(counts, "nonzero") else
-                  [i for i, c in enumerate(counts) if c]):
-            if i < len(by_id):
-                seen[by_id[i].name] = int(counts[i])
+        if hasattr(counts, "nonzero"):
+            nonzero = counts.nonzero()[0]
+            pairs = zip(nonzero.tolist(), counts[nonzero].tolist(), strict=True)
+        else:
+            pairs = ((i, int(c)) for i, c in enumerate(counts) if c)
+        known = len(by_id)
+        seen = {by_id[i].name: c for i, c in pairs if i < known}  # name -> ranks ready, from the cached ids
         announced: dict[str, set[int]] = {}
         for r, ann in enumerate(announcements or ()):
             for name in ann:
                 announced.setdefault(name, set()).add(r)
-                if name not in self._labels:
+                if name not in labels:
                     self._label_from_signature(name, ann[name])
-        for name, req in pending.items():
-            if name not in neg and req.kind not in _HIDDEN:
+        # names of this rank's that the counts do not show yet (announced this round): their negotiation
+        # starts when they were submitted
+        for name in pending.keys() - seen.keys() - neg.keys():
+            req = pending[name]
+            if req.kind not in _HIDDEN:
                 self._label(name, req.kind)
                 self._start(name, req.submitted_at)
+        by_name = cache.by_name
         for name, count in seen.items():
-            entry = cache.by_name.get(name)
+            entry = by_name.get(name)
             if entry is None:
                 continue
-            if name not in self._labels and not self._label_from_entry(name, entry):
+            if name not in labels and not self._label_from_entry(name, entry):
+                continue
+            ranks = members.get(entry.process_set, ())
+            if not announced and count == len(ranks) and name not in neg and name in pending:
+                # the steady state: one of this rank's requests, found ready on every rank in the first
+                # round that counts it.  Kept compact; the writer expands it (see _instants).
+                neg[name] = [pending[name].submitted_at, None, at, ranks]
                 continue
             self._progress(name, at, count + len(announced.get(name, ())), announced.get(name, set()),
-                           members.get(entry.process_set, ()), name in pending, pending)
+                           ranks, name in pending, pending)
         for name, ranks in announced.items():
-            if name in seen or name not in self._labels:
+            if name in seen or name not in labels:
                 continue
-            entry = cache.by_name.get(name)
+            entry = by_name.get(name)
             pset = entry.process_set if entry is not None else 0
             self._progress(name, at, len(ranks), ranks, members.get(pset, ()), name in pending, pending)
+        at_once = []  # the steady state, queued as one record for the round
         for r in ready:
             state = neg.pop(r.name, None)
             if state is None:
                 continue
-            error = None if r.error is None else str(r.error)
-            self.put((_NEGOTIATION, r.name, state[0], state[3], at, r, error))
+            if state[1] is None and r.error is None:
+                at_once.append((r.name, state[0], state[2], state[3], r))
+                continue
+            instants = state[3] if state[1] is not None else self._instants(state[0], state[2], state[3])
+            self.put((_NEGOTIATION, r.name, state[0], instants, at, r, None if r.error is None else str(r.error)))
+        if at_once:
+            self.put((_READY_AT_ONCE, at, at_once))
 
     def _start(self, name: str, at: float) -> None:
         self._negotiating[name] = [at, set(), 0, []]
@@ -262,8 +290,11 @@ class Timeline:
             return  # another process set's collective: this rank never runs it
         state = self._negotiating.get(name)
         if state is None:
-            state = [at, set(), 0, []]
+            state = [pending[name].submitted_at if mine else at, set(), 0, []]
             self._negotiating[name] = state
+        elif state[1] is None:  # compact (ready everywhere at once) but not run yet: track it rank by rank
+            start, _, seen_at, members = state
+            state[:] = [start, set(members), len(members), self._instants(start, seen_at, members)]
         known: set[int] = state[1]
         instants: list = state[3]
         if mine and self.rank not in known:
@@ -282,6 +313,11 @@ class Timeline:
                 instants.append((at, str(r)))
         elif count > len(known):
             instants.append((at, f"ready {count}/{len(ranks)}"))
+
+    def _instants(self, start: float, seen_at: float, ranks: Sequence[int]) -> list[tuple[float, str]]:
+        """A compact negotiation's instants: this rank's at its submission, every other rank's at ``seen_at``."""
+        me = self.rank
+        return [(start, str(me))] + [(seen_at, str(r)) for r in ranks if r != me]
 
     def _label(self, name: str, kind: CollectiveType) -> None:
         if name not in self._labels:
@@ -378,14 +414,16 @@ class Timeline:
         code = rec[0]
         if code == _CYCLE:
             lines.append(f'{{"ph": "i", "name": "CYCLE_START", "ts": {self._us(rec[1])}, "s": "g"}}')
-        elif code == _NEGOTIATION:
-            self._format_negotiation(rec, lines)
         elif code == _BUCKET:
             self._format_bucket(rec, lines)
+        elif code == _READY_AT_ONCE:
+            self._format_ready_at_once(rec, lines)
+        elif code == _NEGOTIATION:
+            self._format_negotiation(rec, lines)
         elif code == _SINGLE:
             _, backend, kind, name, start, done = rec
             pid = self._pid(name, lines)
-            op = self._ops_open.get(name)
+            op = self._write_deferred(name, lines)
             if op is not None:
                 self._begin(lines, pid, QUEUE, op[0])
                 self._end(lines, pid, start)
@@ -393,12 +431,67 @@ class Timeline:
             self._end(lines, pid, done)
             self._close_op(lines, name, pid, done)
 
+    def _format_ready_at_once(self, rec: tuple, lines: list[str]) -> None:
+        """A round's negotiations that every rank completed in that one round: the writer's steady state.
+
+        Their text (the ``NEGOTIATE_<OP>`` span, this rank's instant at its submission, the others' at
+        the round that counted them, and the start of ``<OP>``) is deferred: the allreduce's bucket
+        writes it together with its activities from one template per tensor (:meth:`_format_bucket`);
+        anything else that comes first writes it on its own (:meth:`_write_deferred`).
+        """
+        _, at, items = rec
+        pids, labels, ops_open = self._pids, self._labels, self._ops_open
+        shared_by = None  # (kind, label, ranks, seen) of the last pieces: a round's tensors share them
+        for name, start, seen_at, ranks, ready in items:
+            sig = ready.first()
+            kind = sig.kind
+            if kind is CollectiveType.BARRIER or start > seen_at:
+                self._format_negotiation((_NEGOTIATION, name, start, self._instants(start, seen_at, ranks), at,
+                                          ready, None), lines)
+                continue
+            if name in ops_open:  # the last one never finished (its bucket failed): keep its text
+                self._write_deferred(name, lines)
+            if name not in pids:
+                self._pid(name, lines)
+            label = labels.get(name, _UNLABELLED)[1]
+            if shared_by is None or (kind, label, ranks, seen_at) != shared_by:
+                shared_by = (kind, label, ranks, seen_at)
+                pieces = self._negotiation_pieces(name, kind, at, seen_at, ranks)
+            ops_open[name] = (at, sig, (start, seen_at, ranks, pieces))
+
+    def _negotiation_text(self, name: str, pid: int | str, kind: CollectiveType,
+                          ranks: Sequence[int]) -> tuple[str, int]:
+        """A one-round negotiation's events, with %s for their times, and how many other ranks it names."""
+        label = "NEGOTIATE_" + self._labels.get(name, _UNLABELLED)[1]
+        others = sorted(str(r) for r in ranks if r != self.rank)  # the order _format_negotiation sorts them in
+        parts = [f'{{"ph": "B", "name": "{label}", "ts": %s, "pid": {pid}}}']
+        for who in [str(self.rank), *others]:
+            parts.append(f'{{"ph": "X", "name": {json.dumps(who)}, "ts": %s, "pid": {pid}, "dur": 0}}')
+        parts.append(f'{{"ph": "E", "ts": %s, "pid": {pid}}}')
+        parts.append(f'{{"ph": "B", "name": "{kind.name}", "ts": %s, "pid": {pid}}}')
+        return ",\n".join(parts), len(others)
+
+    def _write_deferred(self, name: str, lines: list[str]) -> Any:
+        """Write ``name``'s deferred negotiation, if it has one, on its own; returns its entry in ``_ops_open``."""
+        op = self._ops_open.get(name)
+        if op is None or op[2] is None:
+            return op
+        pid = self._pids.get(name) or self._pid(name, lines)
+        at, sig, (start, seen_at, ranks, _) = op
+        text, others = self._negotiation_text(name, pid, sig.kind, ranks)
+        submitted, seen, end = self._us(start), self._us(seen_at), self._us(at)
+        lines.append(text % (submitted, submitted, *[seen] * others, end, end))
+        self._open[pid] = self._open.get(pid, 0) + 1  # its <OP> span is open in the file now
+        op = self._ops_open[name] = (op[0], op[1], None)
+        return op
+
     def _format_negotiation(self, rec: tuple, lines: list[str]) -> None:
         """A whole negotiation (its span and per-rank instants) and the start of its collective, as one string."""
         _, name, start, instants, at, ready, error = rec
         us = self._us
+        self._write_deferred(name, lines)  # an earlier one of this name that never finished
         pid = self._pid(name, lines)
-        label = "NEGOTIATE_" + self._labels.get(name, (name, "UNKNOWN"))[1]
+        label = "NEGOTIATE_" + self._labels.get(name, _UNLABELLED)[1]
         parts = [f'{{"ph": "B", "name": "{label}", "ts": {us(start)}, "pid": {pid}}}']
         for ts, who in sorted(instants):
             shown = self._quoted.get(who)
@@ -415,7 +508,7 @@ class Timeline:
             parts.append(f'{{"ph": "E", "ts": {end}, "pid": {pid}}}')
             parts.append(f'{{"ph": "B", "name": "{sig.kind.name}", "ts": {end}, "pid": {pid}}}')
             self._open[pid] = self._open.get(pid, 0) + 1
-            self._ops_open[name] = (at, sig)
+            self._ops_open[name] = (at, sig, None)
             if sig.kind == CollectiveType.BARRIER:
                 lines.append(",\n".join(parts))
                 self._close_op(lines, name, pid, at)
@@ -423,52 +516,116 @@ class Timeline:
         lines.append(",\n".join(parts))
 
     def _format_bucket(self, rec: tuple, lines: list[str]) -> None:
-        """A bucket's activities for each of its tensors: the writer's busiest path, so one string per tensor."""
+        """A bucket's activities for each of its tensors: the writer's busiest path.
+
+        Per tensor: ``QUEUE``, the fused bucket's ``MEMCPY_IN_FUSION_BUFFER`` / backend activity /
+        ``MEMCPY_OUT_FUSION_BUFFER`` (or just the activity when it ran in place), then the end of its
+        ``<OP>`` span with dtype and shape; before them, its negotiation when that was deferred.  The
+        text is cut into pieces once per bucket and round, and each tensor's is a few joins.
+        """
         _, backend, fused, names, start, packed, reduced, done = rec
         us = self._us
         t0, t1, t2, t3 = us(start), us(packed), us(reduced), us(done)
         activity = f"{backend.upper()}_ALLREDUCE"
+        middle = (t0, t0, t1, t1, t2, t2, t3, t3) if fused else (t0, t1, t2, t3)
+        # The text after each tensor's QUEUE begins is the same for the whole bucket but for the pid, so it
+        # is cut at the pids once here, and each tensor's events are one join with its pid.
+        events = [f'}},\n{{"ph": "E", "ts": {t0}, "pid": ']
         if fused:
-            tail = (f'{{"ph": "E", "ts": {t0}, "pid": %d}},\n'
-                    f'{{"ph": "B", "name": "{MEMCPY_IN}", "ts": {t0}, "pid": %d}},\n'
-                    f'{{"ph": "E", "ts": {t1}, "pid": %d}},\n'
-                    f'{{"ph": "B", "name": "{activity}", "ts": {t1}, "pid": %d}},\n'
-                    f'{{"ph": "E", "ts": {t2}, "pid": %d}},\n'
-                    f'{{"ph": "B", "name": "{MEMCPY_OUT}", "ts": {t2}, "pid": %d}},\n'
-                    f'{{"ph": "E", "ts": {t3}, "pid": %d}}')
-            repeat = 7
-        else:
-            tail = (f'{{"ph": "E", "ts": {t0}, "pid": %d}},\n'
-                    f'{{"ph": "B", "name": "{activity}", "ts": {t1}, "pid": %d}},\n'
-                    f'{{"ph": "E", "ts": {t2}, "pid": %d}}')
-            repeat = 3
+            events += [f'}},\n{{"ph": "B", "name": "{MEMCPY_IN}", "ts": {t0}, "pid": ',
+                       f'}},\n{{"ph": "E", "ts": {t1}, "pid": ']
+        events += [f'}},\n{{"ph": "B", "name": "{activity}", "ts": {t1}, "pid": ',
+                   f'}},\n{{"ph": "E", "ts": {t2}, "pid": ']
+        if fused:
+            events += [f'}},\n{{"ph": "B", "name": "{MEMCPY_OUT}", "ts": {t2}, "pid": ',
+                       f'}},\n{{"ph": "E", "ts": {t3}, "pid": ']
+        events.append(f'}},\n{{"ph": "E", "ts": {t3}, "pid": ')  # the <OP> span's end; its args follow
+        chunks = ["", *events]
+        ops_open, open_, pids, args_of = self._ops_open, self._open, self._pids, self._args_of
+        queued_at, queue_head = None, ""
         for name in dict.fromkeys(names):
             if name is None:
                 continue
-            pid = self._pid(name, lines)
-            op = self._ops_open.get(name)
-            queued = us(op[0]) if op is not None else t0
-            lines.append(f'{{"ph": "B", "name": "{QUEUE}", "ts": {queued}, "pid": {pid}}},\n'
-                         + tail % ((pid,) * repeat))
-            self._close_op(lines, name, pid, done)
+            op = ops_open.pop(name, None)
+            if op is not None and op[2] is not None:
+                # the steady state, the whole collective at once: its negotiation (the round's pieces, see
+                # _format_ready_at_once), QUEUE, the activities and the end of <OP>, joined at its pid
+                at, sig, (start, _, _, pieces) = op
+                p, submitted = str(pids[name]), str(us(start))
+                args = args_of.get(id(sig))
+                if args is None or args[0] is not sig:
+                    args = self._closing_args_of(sig)
+                lines.append("".join((p.join(pieces[0]), submitted, p.join(pieces[1]), submitted,
+                                      p.join(pieces[2]), p.join(chunks), p, args[1], "}")))
+                continue
+            pid = pids.get(name) or self._pid(name, lines)
+            if op is None or not open_.get(pid):  # its negotiation went to an earlier file, or was dropped
+                if op is not None:
+                    ops_open[name] = op
+                self._bucket_unopened(lines, name, pid, op, activity, fused, middle, done)
+                continue
+            open_[pid] -= 1
+            if op[0] != queued_at:
+                queued_at = op[0]
+                queue_head = f'{{"ph": "B", "name": "{QUEUE}", "ts": {us(queued_at)}, "pid": '
+            p = str(pid)
+            lines.append(queue_head + p.join(chunks) + p + self._closing_args(op[1]) + "}")
+
+    def _negotiation_pieces(self, name: str, kind: CollectiveType, at: float, seen_at: float,
+                            ranks: Sequence[int]) -> tuple:
+        """A one-round negotiation's text and the start of QUEUE, cut where each tensor's pid and submission go.
+
+        Returns three lists of pieces: joined with the pid, and with the submission time between them,
+        they give everything up to the ``"pid": `` of the tensor's QUEUE event.  Every tensor
+        negotiated in the same round shares them (see :meth:`_format_bucket`).
+        """
+        end = str(self._us(at))
+        negotiation, others = self._negotiation_text(name, _PID, kind, ranks)
+        text = (negotiation % (_SUBMITTED, _SUBMITTED, *[str(self._us(seen_at))] * others, end, end)
+                + f',\n{{"ph": "B", "name": "{QUEUE}", "ts": {end}, "pid": ')
+        before, between, after = text.split(_SUBMITTED)
+        return before.split(_PID), between.split(_PID), after.split(_PID)
+
+    def _bucket_unopened(self, lines: list[str], name: str, pid: int, op: Any, activity: str, fused: bool,
+                         middle: tuple[int, ...], done: float) -> None:
+        """A bucket's tensor whose ``<OP>`` span is not open in this file: its activities, and no closing event."""
+        events = [("B", QUEUE), ("E", None)]
+        if fused:
+            events += [("B", MEMCPY_IN), ("E", None), ("B", activity), ("E", None), ("B", MEMCPY_OUT), ("E", None)]
+        else:
+            events += [("B", activity), ("E", None)]
+        queued = self._us(op[0]) if op is not None else middle[0]
+        lines.append(",\n".join(f'{{"ph": "B", "name": "{what}", "ts": {ts}, "pid": {pid}}}' if ph == "B" else
+                                 f'{{"ph": "E", "ts": {ts}, "pid": {pid}}}'
+                                 for (ph, what), ts in zip(events, (queued, *middle[:-1]), strict=True)))
+        self._close_op(lines, name, pid, done)
+
+    def _closing_args(self, sig: Any) -> str:
+        """The ``args`` of an ``<OP>`` span's closing event: the dtype and shape of ``sig``, cached per signature."""
+        cached = self._args_of.get(id(sig))
+        if cached is None or cached[0] is not sig:  # steady state: the same cached signature every step
+            cached = self._closing_args_of(sig)
+        return cached[1]
+
+    def _closing_args_of(self, sig: Any) -> tuple[Any, str]:
+        """Format and cache ``(sig, args)`` for :meth:`_closing_args`."""
+        tensors = sig.tensors
+        if len(tensors) == 1:
+            dtype, shape = tensors[0][0], str(list(tensors[0][1]))
+        else:
+            dtype, shape = ",".join(t[0] for t in tensors), str([list(t[1]) for t in tensors])
+        cached = (sig, f', "args": {{"dtype": {json.dumps(dtype)}, "shape": {json.dumps(shape)}}}')
+        if len(self._args_of) > 4096:
+            self._args_of.clear()
+        self._args_of[id(sig)] = cached
+        return cached
 
     def _close_op(self, lines: list[str], name: str, pid: int, at: float) -> None:
+        self._write_deferred(name, lines)
         op = self._ops_open.pop(name, None)
         if op is None:
             return
-        sig = op[1]
-        cached = self._args_of.get(id(sig))
-        if cached is None or cached[0] is not sig:  # steady state: the same cached signature every step
-            tensors = sig.tensors
-            if len(tensors) == 1:
-                dtype, shape = tensors[0][0], str(list(tensors[0][1]))
-            else:
-                dtype, shape = ",".join(t[0] for t in tensors), str([list(t[1]) for t in tensors])
-            cached = (sig, f', "args": {{"dtype": {json.dumps(dtype)}, "shape": {json.dumps(shape)}}}')
-            if len(self._args_of) > 4096:
-                self._args_of.clear()
-            self._args_of[id(sig)] = cached
-        self._end(lines, pid, at, cached[1])
+        self._end(lines, pid, at, self._closing_args(op[1]))
 
     def _writer(self) -> None:
         while True:
@@ -530,6 +687,8 @@ class Timeline:
     def _close_spans(self, at: float) -> None:
         """End every span still open, so the file nests cleanly when it is closed."""
         lines: list[str] = []
+        for name in [name for name, op in self._ops_open.items() if op[2] is not None]:
+            self._write_deferred(name, lines)
         for pid, n in list(self._open.items()):
             for _ in range(n):
                 self._end(lines, pid, at)
@@ -556,7 +715,8 @@ class Timeline:
         """Queue the negotiations still open (a stalled rank), which are otherwise written when they end."""
         for _ in range(10):  # the engine's thread may be changing the table meanwhile
             try:
-                open_now = [(name, st[0], list(st[3])) for name, st in list(self._negotiating.items())]
+                open_now = [(name, st[0], list(st[3]) if st[1] is not None else self._instants(st[0], st[2], st[3]))
+                            for name, st in list(self._negotiating.items())]
                 break
             except RuntimeError:
                 continue

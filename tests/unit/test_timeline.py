@@ -70,6 +70,52 @@ def test_one_collective_gives_horovods_spans(tmp_path):
     assert any(e.get("name") == "CYCLE_START" and e["ph"] == "i" for e in ev)
 
 
+def one_round(tl, names, t, ready=True):
+    """Every name of this rank's found ready on both ranks in the round at ``t`` (the steady state)."""
+    cache = NameCache(16)
+    s = sig()
+    for name in names:
+        cache.remember(name, 0, [s.encode(), s.encode()], Ready(name, 0, [s, s]))
+    pending = {n: SimpleNamespace(kind=CollectiveType.ALLREDUCE, submitted_at=t - 0.004) for n in names}
+    totals = np.array([0, 0, 0] + [2] * len(names))
+    tl.observe_round(t, pending, cache, totals, HEADER, None, {0: (0, 1)},
+                     [cache.by_name[n].ready for n in names] if ready else [])
+
+
+def test_a_collective_ready_everywhere_in_one_round_gives_the_same_spans(tmp_path):
+    """The writer's fast path (one template per tensor) writes what the general path writes."""
+    path = tmp_path / "tl.json"
+    tl = Timeline(path, rank=0, flush_interval_s=0.01)
+    t = time.monotonic()
+    one_round(tl, ["w", "v"], t)
+    tl.bucket("gloo", True, ["w", "v"], t + 0.001, t + 0.002, t + 0.003, t + 0.004)
+    tl.close()
+    ev = events_of(path)
+    for pid in (1, 2):
+        mine = [e for e in ev if e.get("pid") == pid and e["ph"] != "M"]
+        assert [(e["ph"], e.get("name")) for e in mine] == [
+            ("B", "NEGOTIATE_ALLREDUCE"), ("X", "0"), ("X", "1"), ("E", None),
+            ("B", "ALLREDUCE"), ("B", "QUEUE"), ("E", None), ("B", "MEMCPY_IN_FUSION_BUFFER"), ("E", None),
+            ("B", "GLOO_ALLREDUCE"), ("E", None), ("B", "MEMCPY_OUT_FUSION_BUFFER"), ("E", None), ("E", None),
+        ]
+        negotiate, mine_ready, other_ready = mine[0]["ts"], mine[1]["ts"], mine[2]["ts"]
+        assert negotiate == mine_ready < other_ready == mine[3]["ts"] == mine[4]["ts"]  # submitted, then the round
+        assert [e["ts"] for e in mine] == sorted(e["ts"] for e in mine)
+        assert mine[-1]["args"] == {"dtype": "float32", "shape": "[4]"}
+
+
+def test_a_negotiation_whose_collective_never_ran_is_written_at_close(tmp_path):
+    """A one-round negotiation waits for its bucket to be written; closing the file writes it anyway."""
+    path = tmp_path / "tl.json"
+    tl = Timeline(path, rank=0, flush_interval_s=0.01)
+    one_round(tl, ["w"], time.monotonic())
+    time.sleep(0.05)  # the writer has seen it
+    tl.close()
+    mine = [(e["ph"], e.get("name")) for e in events_of(path) if e.get("pid") == 1 and e["ph"] != "M"]
+    assert mine == [("B", "NEGOTIATE_ALLREDUCE"), ("X", "0"), ("X", "1"), ("E", None), ("B", "ALLREDUCE"),
+                    ("E", None)]
+
+
 def test_readiness_that_the_counts_cannot_attribute_is_named_by_count(tmp_path):
     """Four ranks, rank 0 not ready, two of three others ready: the count cannot say which two."""
     path = tmp_path / "tl.json"
