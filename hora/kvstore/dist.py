@@ -18,6 +18,10 @@ Semantics (MXNet's, with the differences noted):
 * ``pull`` blocks until the values are in ``out`` and always sees this
   worker's earlier pushes of the key: in ``dist_sync`` the result of the round
   they belong to, in ``dist_async`` a value they have been applied to.
+* ``pushpull_async`` pushes, sends the pull and returns a ticket: its
+  ``on_ready`` callback says when the values are here (without blocking
+  anyone), its ``finish`` copies them out.  Framework bindings run it on
+  their engines (``hora.mxnet``) so that communication overlaps compute.
 * ``barrier`` first waits until this worker's pushes reached the servers.
 * An error a server reports for a push is raised by the next ``pull`` of that
   key, ``barrier`` or push.  A lost node raises
@@ -37,14 +41,14 @@ import copy
 import dataclasses
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from hora.config import PSConfig
 from hora.errors import ConfigError, PSError
-from hora.kvstore.base import Array, KVStore
+from hora.kvstore.base import Array, Key, KVStore
 from hora.kvstore.ps import states as ps_states
 from hora.kvstore.ps.client import SCHEDULER, Client, Pending, PushBuffer
 from hora.kvstore.ps.placement import Shard, parts, place
@@ -205,58 +209,67 @@ class DistKVStore(KVStore):
                         self._inflight.append((key, p))
 
     def _pull(self, keys: list[str], outs: list[list[Array]], priority: int) -> None:
+        for key, key_outs in zip(keys, outs, strict=True):
+            self._check_outs(key, key_outs)
+        self._pull_start(keys).finish(outs)
+
+    def pushpull_async(self, key: Key | Sequence[Key], value: Array | Sequence[Array],
+                       priority: int = 0) -> PullTicket:
+        """Push ``value`` and ask for the key's next value, without waiting: the returned ticket's
+        :meth:`~PullTicket.finish` copies it into arrays of the key's size.
+
+        The push behaves as :meth:`push` (the caller may reuse ``value`` once this returns);
+        :meth:`PullTicket.on_ready` says when ``finish`` will no longer wait.  The servers' values wait
+        for ``finish`` (or :meth:`PullTicket.cancel`), so call one of them exactly once.
+        """
+        keys, values = self._normalise(key, value, "value")
+        self._push(keys, values, priority)
+        return self._pull_start(keys)
+
+    def check_arrays(self, key: Key, shape: Sequence[int], dtype: Any, what: str = "pushpull") -> str:
+        """Check that arrays of ``shape`` and ``dtype`` fit ``key`` as initialised; returns the key's name.
+
+        Raises:
+            ConfigError: the key was not initialised, or the shape or dtype differs (the message says how).
+        """
+        name = self._key(key)
+        info = self._info(name)
+        size = int(np.prod(tuple(shape), dtype=np.int64))
+        if np.dtype(dtype) != info.dtype or size != info.numel:
+            raise ConfigError(f"{what} of key {name!r}: got {np.dtype(dtype).name}{list(shape)} but the key was "
+                              f"initialised as {info.dtype.name}{list(info.shape)}")
+        return name
+
+    def _check_outs(self, key: str, key_outs: Sequence[Array]) -> None:
+        info = self._info(key)
+        for out in key_outs:
+            if int(np.prod(out.shape)) != info.numel:
+                raise ConfigError(f"pull of key {key!r}: out has shape {tuple(out.shape)} but the key holds "
+                                  f"{info.shape}")
+
+    def _pull_start(self, keys: list[str]) -> PullTicket:
+        """Send the pull requests of ``keys`` (each after this worker's last push of it)."""
         client = self._client
         client.check()
-        requests = []
-        for key, key_outs in zip(keys, outs, strict=True):
-            info = self._info(key)
-            for out in key_outs:
-                if int(np.prod(out.shape)) != info.numel:
-                    raise ConfigError(f"pull of key {key!r}: out has shape {tuple(out.shape)} but the key holds "
-                                      f"{info.shape}")
-            after = self._seq.get(key, 0)
-            for s in info.shards:
-                if client.shm_usable(s.server, s.size * info.dtype.itemsize):
-                    p = client.request(s.server, Cmd.PULL, {"k": key, "after": after, "off": 0, "len": s.size,
-                                                            "n": s.size, "m": True})
-                    requests.append((key, key_outs, s, 0, s.size, after, p))
-                    continue
-                for off, length in parts(s.size, info.dtype.itemsize, self._part_bytes):
-                    p = client.request(s.server, Cmd.PULL, {"k": key, "after": after, "off": off, "len": length,
-                                                            "n": s.size})
-                    requests.append((key, key_outs, s, off, length, after, p))
-        staged: dict[int, np.ndarray] = {}
-        done = 0
+        requests: list[_PullPart] = []
         try:
-            for key, key_outs, s, off, length, after, p in requests:
-                info = self._keys[key]
-                msg = p.wait()
-                done += 1
-                if msg.header.get("m") is None:
-                    value = msg.arrays[0] if msg.arrays else None
-                    self._check_pulled(key, value, info, length)
-                    for out in key_outs:
-                        self._write(out, value, s.lo + off, info, staged)
-                    continue
-                try:  # the values wait in the server's shared memory: copy them out, then release them
-                    try:
-                        value = client.shared_view(s.server, key, msg, info.dtype, length)
-                    except ShmError as e:
-                        log.warning("pull of key %r: cannot read the server's shared memory (%s); pulling through "
-                                    "the socket", key, e)
-                        value = self._pull_socket(key, s, after)
-                    for out in key_outs:
-                        self._write(out, value, s.lo + off, info, staged)
-                finally:
-                    client.release(s.server, msg)
+            for key in keys:
+                info = self._info(key)
+                after = self._seq.get(key, 0)
+                for s in info.shards:
+                    if client.shm_usable(s.server, s.size * info.dtype.itemsize):
+                        p = client.request(s.server, Cmd.PULL, {"k": key, "after": after, "off": 0, "len": s.size,
+                                                                "n": s.size, "m": True})
+                        requests.append(_PullPart(key, s, 0, s.size, after, p))
+                        continue
+                    for off, length in parts(s.size, info.dtype.itemsize, self._part_bytes):
+                        p = client.request(s.server, Cmd.PULL, {"k": key, "after": after, "off": off,
+                                                                "len": length, "n": s.size})
+                        requests.append(_PullPart(key, s, off, length, after, p))
         except BaseException:
-            self._release_unread(requests[done:])
+            PullTicket(self, keys, requests).cancel()
             raise
-        for key_outs in outs:
-            for out in key_outs:
-                if id(out) in staged:
-                    _copy_into(out, staged.pop(id(out)).reshape(tuple(out.shape)))
-        self._raise_push_errors(set(keys))
+        return PullTicket(self, keys, requests)
 
     # --- control ----------------------------------------------------------------------------------
     def barrier(self) -> None:
@@ -415,11 +428,17 @@ class DistKVStore(KVStore):
         buf.hold(p)
         return p
 
-    def _release_unread(self, requests: list) -> None:
-        """A pull failed part-way: let the servers reuse the buffers of shared-memory answers already here."""
-        for *_, p in requests:
-            if p.done() and p.reply is not None and p.reply.header.get("m") is not None:
-                self._client.release(p.dst, p.reply)
+    def _release_unread(self, requests: list[_PullPart]) -> None:
+        """A pull failed part-way: let the servers reuse the buffers of shared-memory answers, those here
+        and those still to come."""
+        client = self._client
+
+        def release(p: Pending) -> None:
+            if p.reply is not None and p.reply.header.get("m") is not None:
+                client.release(p.dst, p.reply)
+
+        for r in requests:
+            r.pending.add_done_callback(release)
 
     def _pull_socket(self, key: str, s: Shard, after: int) -> np.ndarray:
         """A whole shard pulled through the socket (when its shared-memory reply could not be read)."""
@@ -472,6 +491,105 @@ class DistKVStore(KVStore):
             _copy_into(out.reshape(-1)[start:start + value.size], value)
         else:
             staged.setdefault(id(out), np.empty(info.numel, info.dtype))[start:start + value.size] = value
+
+
+@dataclasses.dataclass(slots=True)
+class _PullPart:
+    key: str
+    shard: Shard
+    off: int
+    length: int
+    after: int
+    pending: Pending
+
+
+class PullTicket:
+    """Pull requests in flight (from :meth:`DistKVStore.pushpull_async`, or inside a blocking pull)."""
+
+    def __init__(self, store: DistKVStore, keys: list[str], requests: list[_PullPart]) -> None:
+        self._store, self._keys, self._requests = store, keys, requests
+        self._settled = False
+
+    def on_ready(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once every reply is here or failed (at once when they all are), on the thread that
+        settles the last one, which must not block: ``fn`` should only signal."""
+        if not self._requests:
+            fn()
+            return
+        left = [len(self._requests)]
+        lock = threading.Lock()
+
+        def one(_: Pending) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                fn()
+
+        for r in self._requests:
+            r.pending.add_done_callback(one)
+
+    def finish(self, outs: Sequence[Array] | Sequence[Sequence[Array]]) -> None:
+        """Wait for the values and copy them into ``outs`` (per key an array or a list of arrays), then let
+        the servers reuse their buffers.  Raises the pull's error, or an error a server reported for an
+        earlier push of these keys."""
+        if self._settled:
+            raise PSError("this pull was already finished or cancelled")
+        store = self._store
+        per_key = [list(o) if isinstance(o, (list, tuple)) else [o] for o in outs]
+        if len(per_key) != len(self._keys):
+            self.cancel()
+            raise ConfigError(f"{len(self._keys)} keys were pulled but {len(per_key)} outs were given")
+        by_key = dict(zip(self._keys, per_key, strict=True))
+        try:
+            for key, key_outs in by_key.items():
+                store._check_outs(key, key_outs)
+        except BaseException:
+            self.cancel()
+            raise
+        self._settled = True
+        client = store._client
+        staged: dict[int, np.ndarray] = {}
+        done = 0
+        try:
+            for r in self._requests:
+                key, s, off, length = r.key, r.shard, r.off, r.length
+                info = store._keys[key]
+                key_outs = by_key[key]
+                msg = r.pending.wait()
+                done += 1
+                if msg.header.get("m") is None:
+                    value = msg.arrays[0] if msg.arrays else None
+                    store._check_pulled(key, value, info, length)
+                    for out in key_outs:
+                        store._write(out, value, s.lo + off, info, staged)
+                    continue
+                try:  # the values wait in the server's shared memory: copy them out, then release them
+                    try:
+                        value = client.shared_view(s.server, key, msg, info.dtype, length)
+                    except ShmError as e:
+                        log.warning("pull of key %r: cannot read the server's shared memory (%s); pulling through "
+                                    "the socket", key, e)
+                        value = store._pull_socket(key, s, r.after)
+                    for out in key_outs:
+                        store._write(out, value, s.lo + off, info, staged)
+                finally:
+                    client.release(s.server, msg)
+        except BaseException:
+            store._release_unread(self._requests[done:])
+            raise
+        for key_outs in per_key:
+            for out in key_outs:
+                if id(out) in staged:
+                    _copy_into(out, staged.pop(id(out)).reshape(tuple(out.shape)))
+        store._raise_push_errors(set(self._keys))
+
+    def cancel(self) -> None:
+        """Give up on the values: the servers' buffers are released as their replies arrive."""
+        if self._settled:
+            return
+        self._settled = True
+        self._store._release_unread(self._requests)
 
 
 def _copy_into(dst: Array, src: np.ndarray) -> None:

@@ -23,7 +23,7 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,7 +48,9 @@ _TURN_FRAMES = 1 << 16  # frames read from one server per loop turn
 class Pending:
     """An unanswered request; :meth:`wait` returns the reply or raises the error."""
 
-    __slots__ = ("rid", "dst", "frames", "nbytes", "event", "reply", "error", "deadline", "attempts")
+    __slots__ = ("rid", "dst", "frames", "nbytes", "event", "reply", "error", "deadline", "attempts", "callbacks")
+
+    _callback_lock = threading.Lock()  # orders add_done_callback against _settle
 
     def __init__(self, rid: int, dst: int) -> None:
         self.rid, self.dst = rid, dst
@@ -59,9 +61,36 @@ class Pending:
         self.error: HoraError | None = None
         self.deadline = float("inf")
         self.attempts = 0
+        self.callbacks: list[Callable[[Pending], None]] | None = None
 
     def done(self) -> bool:
         return self.event.is_set()
+
+    def add_done_callback(self, fn: Callable[[Pending], None]) -> None:
+        """Call ``fn(self)`` once the request is answered or failed: at once (in this thread) when it already
+        is, else in the thread that settles it (the network thread, or a reply-verifying one), which must
+        not block: ``fn`` may only copy, release and signal."""
+        with Pending._callback_lock:
+            if not self.event.is_set():
+                if self.callbacks is None:
+                    self.callbacks = []
+                self.callbacks.append(fn)
+                return
+        fn(self)
+
+    def _settle(self, reply: Message | None, error: HoraError | None) -> None:
+        """Record the outcome, wake waiters and run the callbacks (once; later calls do nothing)."""
+        with Pending._callback_lock:
+            if self.event.is_set():
+                return
+            self.reply, self.error = reply, error
+            self.event.set()
+            callbacks, self.callbacks = self.callbacks, None
+        for fn in callbacks or ():
+            try:
+                fn(self)
+            except Exception:  # a callback's bug must not take the network thread down
+                log.exception("a callback of request %d failed", self.rid)
 
     def wait(self) -> Message:
         """Block until answered; raises the server's error or the job's failure."""
@@ -383,8 +412,7 @@ class Client:
             p = self._pending.pop(rid, None)
         if p is None:
             return  # a duplicate answer to a resent request
-        p.reply, p.error = reply, error
-        p.event.set()
+        p._settle(reply, error)
 
     def _fail(self, error: HoraError) -> None:
         with self._lock:
@@ -393,8 +421,7 @@ class Client:
             pending = list(self._pending.values())
             self._pending.clear()
         for p in pending:
-            p.error = self._fatal
-            p.event.set()
+            p._settle(None, self._fatal)
 
     def _on_scheduler(self, msg: Message) -> None:
         if msg.cmd in (Cmd.BARRIER_DONE, Cmd.BYE):
