@@ -106,6 +106,18 @@ def _zeros_like(x: Array) -> Array:
     return np.zeros_like(x) if _is_numpy(x) else x.new_zeros(x.shape)
 
 
+_BLOCK = 65536  # elements per block of a fused update: its five blocks of float32 (1.25 MiB) stay in cache
+
+
+def _fusable(weight: Array, grad: Array, *states: Array | None) -> bool:
+    """True when a NumPy update may run block by block: contiguous float arrays of one shape and dtype."""
+    if not _is_numpy(weight) or not _is_numpy(grad) or weight.dtype.kind != "f":
+        return False
+    arrays = [weight, grad, *[s for s in states if s is not None]]
+    return all(_is_numpy(a) and a.dtype == weight.dtype and a.shape == weight.shape and a.flags.c_contiguous
+               for a in arrays) and all(a.flags.writeable for a in arrays if a is not grad)
+
+
 # ------------------------------------------------------------------------------ optimizers
 class Optimizer:
     """Base class of the KVStore optimizers (MXNet's ``mx.optimizer.Optimizer``).
@@ -261,6 +273,10 @@ class SGD(Optimizer):
         self._update_count(index)
         lr, wd = self._get_lr(index), self._get_wd(index)
         dt = _np_dtype(weight)
+        mom = state.get("mom")
+        if _fusable(weight, grad, mom):
+            self._update_numpy(weight, grad, mom, lr, wd, dt)
+            return
         if self._clipping():
             g = grad * _in(dt, self.rescale_grad)
             g = _clip(g, _in(dt, self.clip_gradient))
@@ -268,7 +284,6 @@ class SGD(Optimizer):
         else:
             g = grad * _in(dt, lr, self.rescale_grad)
         decay = weight * _in(dt, lr, wd)
-        mom = state.get("mom")
         if mom is not None:
             mom *= _in(dt, self.momentum)
             mom -= decay
@@ -277,6 +292,40 @@ class SGD(Optimizer):
         else:
             decay += g
             weight -= decay
+
+    def _update_numpy(self, weight: np.ndarray, grad: np.ndarray, mom: np.ndarray | None, lr: float, wd: float,
+                      dt: np.dtype) -> None:
+        """:meth:`update`'s operations, in the same order and dtype (so the same bits), run block by block
+        into two scratch blocks: each block of the weight, gradient and momentum is read from memory once
+        and stays in cache for all its operations, and no array of the weight's size is allocated."""
+        w, g, m = weight.reshape(-1), grad.reshape(-1), None if mom is None else mom.reshape(-1)
+        clipping = self._clipping()
+        if clipping:
+            rescale, bound, scale = _in(dt, self.rescale_grad), _in(dt, self.clip_gradient), _in(dt, lr)
+        else:
+            scale = _in(dt, lr, self.rescale_grad)
+        decay_scale, momentum = _in(dt, lr, wd), _in(dt, self.momentum)
+        block = min(w.size, _BLOCK)
+        t_buf, d_buf = np.empty(block, dt), np.empty(block, dt)
+        for lo in range(0, w.size, block):
+            hi = min(w.size, lo + block)
+            wb, t, d = w[lo:hi], t_buf[:hi - lo], d_buf[:hi - lo]
+            if clipping:
+                np.multiply(g[lo:hi], rescale, out=t)
+                np.clip(t, -bound, bound, out=t)
+                np.multiply(t, scale, out=t)
+            else:
+                np.multiply(g[lo:hi], scale, out=t)
+            np.multiply(wb, decay_scale, out=d)
+            if m is not None:
+                mb = m[lo:hi]
+                np.multiply(mb, momentum, out=mb)
+                np.subtract(mb, d, out=mb)
+                np.subtract(mb, t, out=mb)
+                np.add(wb, mb, out=wb)
+            else:
+                np.add(d, t, out=d)
+                np.subtract(wb, d, out=wb)
 
 
 class Adam(Optimizer):
