@@ -60,6 +60,12 @@ def _view(tensor: mx.nd.NDArray) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
 
+def engine_view(tensor: mx.nd.NDArray) -> np.ndarray:
+    """A NumPy view of a host array without waiting on MXNet: only inside an engine operation that lists
+    the array (:mod:`hora.mxnet.engine`), where MXNet has already finished what came before."""
+    return _view(tensor)
+
+
 def read_view(tensor: mx.nd.NDArray) -> np.ndarray:
     """The array's values as a NumPy array, once MXNet has finished writing them (zero-copy on the host)."""
     if not on_host(tensor):

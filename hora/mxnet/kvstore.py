@@ -20,7 +20,9 @@ string ``'hora'``; the two server-backed names work as strings
 
 from __future__ import annotations
 
+import atexit
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,8 +32,8 @@ import numpy as np
 from hora.core import runtime
 from hora.core.ops import ReduceOp
 from hora.errors import ConfigError
-from hora.mxnet import mpi_ops
-from hora.mxnet.buffers import check_ndarray, copy_into, on_host, read_view, write_view
+from hora.mxnet import engine, mpi_ops
+from hora.mxnet.buffers import check_ndarray, copy_into, engine_view, on_host, read_view, write_view
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +189,19 @@ def hora_optimizer_of(optimizer: Any) -> Any:
 
 
 class _ServerStore(KVStoreBase):
-    """hora's parameter-server store (:mod:`hora.kvstore.dist`) behind MXNet's KVStore interface, on NDArrays."""
+    """hora's parameter-server store (:mod:`hora.kvstore.dist`) behind MXNet's KVStore interface, on NDArrays.
+
+    ``pushpull`` of host arrays (what ``gluon.Trainer`` calls, once per
+    parameter) runs on MXNet's engine, as MXNet's own ``dist_sync`` does: it
+    returns at once, the push leaves as soon as backward has written the
+    gradient, and MXNet's next operators on ``out`` (the next forward pass)
+    wait until the servers' values are in it.  So the parameters travel while
+    backward computes the others, and all of them are in flight together.  An
+    error of such a call (a lost server, an optimizer failure on a server) is
+    raised by the store's next call.  Every other call, and ``pushpull`` of
+    arrays that are not on the host, blocks as before (after waiting for the
+    engine's calls in flight, so the order of a worker's pushes is kept).
+    """
 
     kv_type = ""
 
@@ -196,23 +210,118 @@ class _ServerStore(KVStoreBase):
 
         self._store = create(NAMES[self.type])
         self._optimizer: Any = None
+        self._key_vars: dict[str, mx.nd.NDArray] = {}  # per key: orders its engine calls (push, then copy-out)
+        self._inflight = 0  # engine calls started and not yet finished
+        self._idle = threading.Condition()
+        self._error: BaseException | None = None  # the first failure of an engine call, for the next call
+        atexit.register(self._drain, 60.0)  # runs before the store's own close (registered earlier)
 
     @staticmethod
     def _host(arrays: Sequence[mx.nd.NDArray]) -> list[np.ndarray]:
         return [read_view(check_ndarray(a, "push")) for a in arrays]
 
+    # --- engine calls ------------------------------------------------------------------------------
+    def _sync(self) -> None:
+        """Before a blocking call: wait for the engine calls in flight, then raise the first one's error."""
+        self._drain()
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        with self._idle:
+            error, self._error = self._error, None
+        if error is not None:
+            error.add_note("(raised by an earlier pushpull, which ran on MXNet's engine)")
+            raise error
+
+    def _drain(self, timeout: float | None = None) -> None:
+        with self._idle:
+            if not self._idle.wait_for(lambda: self._inflight == 0, timeout):
+                log.warning("%d pushpull calls on MXNet's engine did not finish within %s s", self._inflight, timeout)
+
+    def _failed(self, error: BaseException) -> None:
+        with self._idle:
+            if self._error is None:
+                self._error = error
+
+    def _ended(self) -> None:
+        with self._idle:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.notify_all()
+
+    def _key_var(self, name: str) -> mx.nd.NDArray:
+        var = self._key_vars.get(name)
+        if var is None:
+            var = self._key_vars[name] = mx.nd.zeros((1,), ctx=mx.cpu())
+        return var
+
+    def _pushpull_on_engine(self, pairs: list[tuple[Any, list[mx.nd.NDArray]]],
+                            outs: list[tuple[Any, list[mx.nd.NDArray]]], priority: int) -> bool:
+        """Run ``pushpull`` as two engine operations; False when these arrays need the blocking path."""
+        if not engine.available():
+            return False
+        keys = [k for k, _ in pairs]
+        values = [v for _, v in pairs]
+        targets = [o[0] for _, o in outs if len(o) == 1]
+        if len(targets) != len(outs) or len(targets) != 1:
+            return False  # several outs might share memory, which one operation may not write twice
+        arrays = [a for v in values for a in v] + targets
+        for a in arrays:
+            check_ndarray(a, "pushpull")
+            if not on_host(a):
+                return False
+        names = []
+        for k, v in pairs:  # errors that belong to this call are raised here, not on the engine
+            names += [self._store.check_arrays(k, a.shape, a.dtype) for a in v]
+        self._store.check_arrays(keys[0], targets[0].shape, targets[0].dtype, "pull")
+        key_vars = [self._key_var(n) for n in dict.fromkeys(names)]
+        ticket: list[Any] = []
+
+        def start(done: engine.Completion) -> None:  # engine thread: the gradients are written
+            try:
+                ticket.append(self._store.pushpull_async(keys, [[engine_view(a) for a in v] for v in values],
+                                                         priority))
+            except BaseException as e:
+                self._failed(e)
+                done()
+                return
+            ticket[0].on_ready(done)
+
+        def finish() -> None:  # engine thread: the values are here, and nothing reads ``out`` any more
+            try:
+                if ticket:
+                    ticket[0].finish([engine_view(targets[0])])
+            except BaseException as e:
+                self._failed(e)
+            finally:
+                self._ended()
+
+        with self._idle:
+            self._inflight += 1
+        try:
+            engine.push_async(start, reads=arrays[:-1], writes=key_vars, priority=priority, name="hora_pushpull")
+        except BaseException:
+            self._ended()
+            raise
+        engine.push_sync(finish, reads=key_vars, writes=targets, priority=priority, name="hora_pull_out")
+        return True
+
+    # --- KVStore ----------------------------------------------------------------------------------
     def init(self, key: Any, value: Any) -> None:
         """Store worker 0's value of each key on the servers (every worker calls it)."""
+        self._sync()
         pairs = _pairs(key, value)
         self._store.init([k for k, _ in pairs], [self._host(v[:1])[0] for _, v in pairs])
 
     def push(self, key: Any, value: Any, priority: int = 0) -> None:
         """Push values (several per key are summed first); returns once the data is copied."""
+        self._sync()
         pairs = _pairs(key, value)
         self._store.push([k for k, _ in pairs], [self._host(v) for _, v in pairs], priority)
 
     def pull(self, key: Any, out: Any = None, priority: int = 0, ignore_sparse: bool = True) -> None:
         """Copy the servers' values of each key into ``out``."""
+        self._sync()
         pairs = _pairs(key, out)
         views: list[list[np.ndarray]] = []
         copies: list[tuple[mx.nd.NDArray, np.ndarray]] = []
@@ -236,21 +345,35 @@ class _ServerStore(KVStoreBase):
         self.pull(key, out, priority)
 
     def pushpull(self, key: Any, value: Any, out: Any = None, priority: int = 0) -> None:
-        """Push ``value`` (gradients), then pull the servers' values (weights, with an optimizer) into ``out``."""
+        """Push ``value`` (gradients), then pull the servers' values (weights, with an optimizer) into ``out``.
+
+        On host arrays, one key and one ``out``, this returns at once and runs on MXNet's engine (see the
+        class); otherwise it blocks until ``out`` holds the values.
+        """
+        self._raise_failure()
+        pairs = _pairs(key, value)
+        outs = pairs if out is None else _pairs(key, out)
+        if len(outs) != len(pairs):
+            raise ConfigError(f"{len(pairs)} keys need one out (or list of outs) each")
+        if self._pushpull_on_engine(pairs, outs, priority):
+            return
         self.push(key, value, priority)
         self.pull(key, value if out is None else out, priority)
 
     def set_optimizer(self, optimizer: Any) -> None:
         """Run ``optimizer`` (an ``mx.optimizer`` SGD/Adam, or a hora one) on the servers."""
+        self._sync()
         self._optimizer = optimizer
         self._store.set_optimizer(hora_optimizer_of(optimizer))
 
     def set_gradient_compression(self, compression_params: dict[str, Any]) -> None:
         """Compress pushes, e.g. ``{'type': '2bit', 'threshold': 0.5}``; the servers decode them."""
+        self._sync()
         self._store.set_gradient_compression(compression_params)
 
     def barrier(self) -> None:
         """Wait until every worker reaches this point."""
+        self._sync()
         self._store.barrier()
 
     @staticmethod
@@ -277,14 +400,17 @@ class _ServerStore(KVStoreBase):
 
     def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
         """Write the optimizer state to ``fname`` (servers' state for the PS-backed stores)."""
+        self._sync()
         self._store.save_optimizer_states(fname, dump_optimizer)
 
     def load_optimizer_states(self, fname: str) -> None:
         """Restore the state written by ``save_optimizer_states``."""
+        self._sync()
         self._store.load_optimizer_states(fname)
 
     def close(self) -> None:
         """Leave the parameter-server job (also done at exit)."""
+        self._drain(60.0)
         self._store.close()
 
 

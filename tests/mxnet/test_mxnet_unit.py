@@ -87,3 +87,40 @@ def test_host_views_share_memory_with_the_ndarray():
     assert x.asnumpy()[0, 0] == 42 and read_view(x)[1, 2] == 10
     back = to_ndarray(np.arange(4, dtype=np.int64))
     assert isinstance(back, mx.nd.NDArray) and back.dtype == np.int64 and back.asnumpy().tolist() == [0, 1, 2, 3]
+
+
+def test_engine_operations_hold_back_later_operators_until_they_complete():
+    import threading
+    import time
+
+    import mxnet as mx
+
+    from hora.mxnet import engine
+    from hora.mxnet.buffers import engine_view
+
+    src = mx.nd.arange(4) * 3  # still being computed: the operation must wait for it
+    dst = mx.nd.zeros((4,))
+    seen: list[str] = []
+
+    def start(done: engine.Completion) -> None:  # on an engine thread, src written, dst free
+        values = engine_view(src).copy()
+
+        def later() -> None:
+            time.sleep(0.2)
+            engine_view(dst)[:] = values + 1
+            seen.append("completed")
+            done()
+            done()  # a second call does nothing
+
+        threading.Thread(target=later).start()
+
+    engine.push_async(start, reads=[src], writes=[dst], name="test_async")
+    after = dst * 2  # MXNet holds this back until the operation completes
+    assert after.asnumpy().tolist() == [2.0, 8.0, 14.0, 20.0] and seen == ["completed"]
+
+    engine.push_sync(lambda: seen.append("sync"), reads=[dst], writes=[src], name="test_sync")
+    src.wait_to_read()
+    assert seen == ["completed", "sync"]
+    with pytest.raises(ValueError, match="twice"):
+        engine.push_sync(lambda: None, reads=[], writes=[dst, dst])
+    mx.nd.waitall()

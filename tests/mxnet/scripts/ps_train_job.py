@@ -54,6 +54,29 @@ def weights(net) -> list[np.ndarray]:
     return [p.data().asnumpy() for _, p in sorted(net.collect_params().items())]
 
 
+def engine_errors_reach_the_next_call(kv) -> None:
+    """A pushpull on MXNet's engine returns at once; what fails there (here the servers' SGD on an int key)
+    is raised by the store's next call, and the store goes on working."""
+    from hora.errors import ConfigError, PSError
+
+    kv.init(1000, mx.nd.ones((4,), dtype="int32"))
+    out = mx.nd.zeros((4,), dtype="int32")
+    kv.pushpull(1000, mx.nd.ones((4,), dtype="int32"), out=out)
+    mx.nd.waitall()
+    try:
+        kv.barrier()
+    except PSError as e:
+        assert "floating-point" in str(e), e
+    else:
+        raise AssertionError("the failed pushpull was not reported")
+    try:  # checked at the call, before anything reaches the engine
+        kv.pushpull(1000, mx.nd.ones((5,), dtype="int32"), out=out)
+    except ConfigError as e:
+        assert "int32[4]" in str(e), e
+    else:
+        raise AssertionError("a pushpull of the wrong shape was accepted")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kv-store", required=True)
@@ -73,6 +96,7 @@ def main() -> None:
             B * workers)
         for got, want in zip(weights(net), weights(ref), strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg="hora_dist_sync != one process")
+        engine_errors_reach_the_next_call(kv)
     else:
         # the same batch over and over: whatever the order of the pushes, the loss on it must fall
         fixed_x = mx.nd.stack(*[xs[0]] * STEPS)
