@@ -19,6 +19,7 @@ the tensor, as Horovod's TensorFlow ops do.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -136,11 +137,19 @@ _ALIGN = 64  # TensorFlow's CPU tensors are 64-byte aligned, and it aborts on on
 
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialised array whose memory starts on a 64-byte boundary (so TensorFlow can adopt it)."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    """An uninitialised array whose memory starts on a 64-byte boundary (so TensorFlow can adopt it).
+
+    Called for every result of every step: ``math.prod`` and the array
+    interface cost ~1 us where ``np.prod`` and ``ndarray.ctypes`` cost ~20 us.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + _ALIGN, np.uint8)
-    offset = -raw.ctypes.data % _ALIGN
+    offset = -raw.__array_interface__["data"][0] % _ALIGN
     return raw[offset: offset + nbytes].view(dtype).reshape(shape)
+
+
+#: dtype -> whether DLPack can hand its arrays to TensorFlow (``dtype.name`` costs ~5 us a call)
+_DLPACK_DTYPES: dict[np.dtype, bool] = {}
 
 
 def _adopt(a: np.ndarray) -> tf.Tensor:
@@ -151,7 +160,10 @@ def _adopt(a: np.ndarray) -> tf.Tensor:
     DLPack hands the memory over.  Types DLPack has no code for (bfloat16)
     and empty arrays are converted.
     """
-    if a.size and a.dtype.kind in "biuf" and a.dtype.name != "bfloat16":
+    dlpack = _DLPACK_DTYPES.get(a.dtype)
+    if dlpack is None:
+        dlpack = _DLPACK_DTYPES[a.dtype] = a.dtype.kind in "biuf" and a.dtype.name != "bfloat16"
+    if dlpack and a.size:
         return tf.experimental.dlpack.from_dlpack(a.__dlpack__())
     return tf.convert_to_tensor(a)
 
@@ -171,6 +183,12 @@ def _wait_into(kind: CollectiveType, tensors: Sequence[Any], name: str | None, *
 
 
 # ---------------------------------------------------------------------------- graph/eager dispatch
+#: Horovod's ops run as written inside ``tf.function``: AutoGraph would otherwise convert them and the
+#: ``py_function`` bodies they define, whose every call at run time then goes through AutoGraph's dispatch
+#: (``converted_call``, its type checks and logging; 0.1-0.3 ms a step for the benchmark's grouped allreduce).
+#: They branch only on Python values, and work in TF1 graphs, which have no AutoGraph.
+_plain_python = tf.autograph.experimental.do_not_convert
+
 _FAILED_PREFIX = "/dev/null/"
 #: the first character of a failed op's status output: which TensorFlow error the graph raises
 _FAILED, _INVALID = "F", "I"
@@ -193,7 +211,7 @@ def _call(body: Callable[..., list[Any]], inputs: Sequence[Any], tout: Sequence[
 
     def guarded(*xs):
         try:
-            return [*body(*xs), tf.constant("")]
+            return [*body(*xs), _ok_status()]
         except CollectiveFailedError as e:
             status = _FAILED + e.message
         except InvalidArgumentsError as e:
@@ -222,6 +240,21 @@ def _call(body: Callable[..., list[Any]], inputs: Sequence[Any], tout: Sequence[
                 o.set_shape(s)
             results.append(o)
     return results
+
+
+_OK_STATUS: list[tf.Tensor] = []
+
+
+def _ok_status() -> tf.Tensor:
+    """The empty status string a collective that succeeded returns from its ``py_function``.
+
+    One eager tensor, made on first use and returned every time: a fresh
+    ``tf.constant`` inside a ``py_function`` costs ~0.2 ms, a tenth of what
+    the Keras benchmark's grouped allreduce costs a step on one rank.
+    """
+    if not _OK_STATUS:
+        _OK_STATUS.append(tf.constant(""))
+    return _OK_STATUS[0]
 
 
 def _graph_node(fn: Callable[..., list[Any]], inputs: list[tf.Tensor], tout: list[tf.DType]) -> list[tf.Tensor]:
@@ -336,6 +369,7 @@ def _indexed_slices_allreduce(slices: tf.IndexedSlices, op: ReduceOp, prescale: 
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
+@_plain_python
 def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=None, op=None,
               prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set,
               ignore_name_scope=False):
@@ -362,6 +396,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
     return compression.decompress(out, ctx)
 
 
+@_plain_python
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=None, op=None,
                       prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set, name=None):
     """Reduce a list of tensors as one unit: one negotiation, one fused collective.
@@ -428,6 +463,7 @@ def _allgather_tensors(tensors: list[tf.Tensor], name: str | None, process_set: 
     return list(_differentiable(forward, backward, tensors))
 
 
+@_plain_python
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Concatenate every rank's ``tensor`` along the first dimension (which may differ between ranks)."""
     tensor = tf.convert_to_tensor(tensor)
@@ -435,6 +471,7 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     return _restored(out, tensor.dtype)
 
 
+@_plain_python
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Allgather a list of tensors as one unit."""
     tensors = _as_tensors(tensors)
@@ -475,6 +512,7 @@ def _broadcast_tensors(tensors: list[tf.Tensor], root_rank: int, name: str | Non
     return list(_differentiable(forward, backward, tensors))
 
 
+@_plain_python
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set):
     """The root's ``tensor`` on every rank of the process set."""
     tensor = tf.convert_to_tensor(tensor)
@@ -483,6 +521,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
     return _restored(out, tensor.dtype)
 
 
+@_plain_python
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     """Overwrite ``variables`` (a list of ``tf.Variable``) with the root's values, in place.
 
@@ -570,6 +609,7 @@ def _alltoall_tensor(tensor: tf.Tensor, splits: Any, name: str | None, process_s
     return op(tensor)
 
 
+@_plain_python
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Send ``splits[i]`` rows of ``tensor`` to rank i and gather the rows every rank sends here.
 
@@ -613,6 +653,7 @@ def _reducescatter_tensors(tensors: list[tf.Tensor], name: str | None, op: Reduc
     return list(_differentiable(forward, backward, tensors))
 
 
+@_plain_python
 def reducescatter(tensor, device_dense="", compression=None, op=Average, name=None, process_set=global_process_set,
                   ignore_name_scope=False, prescale_factor=1.0, postscale_factor=1.0):
     """Reduce ``tensor`` across ranks and keep this rank's block of rows (the first ranks get one more row
@@ -628,6 +669,7 @@ def reducescatter(tensor, device_dense="", compression=None, op=Average, name=No
     return compression.decompress(out, ctx)
 
 
+@_plain_python
 def grouped_reducescatter(tensors, device_dense="", compression=None, op=Average, process_set=global_process_set,
                           prescale_factor=1.0, postscale_factor=1.0, name=None):
     """Reducescatter a list of tensors as one unit."""
@@ -646,6 +688,7 @@ def grouped_reducescatter(tensors, device_dense="", compression=None, op=Average
 
 
 # ------------------------------------------------------------------------------------- control
+@_plain_python
 def join():
     """Declare that this rank has no more data; it serves the others' allreduces until all have joined.
 
@@ -659,6 +702,7 @@ def join():
     return _call(body, [], [tf.int32], [tf.TensorShape([])])[0]
 
 
+@_plain_python
 def barrier(process_set=global_process_set) -> None:
     """Block until every rank of the process set reaches the barrier."""
     collectives.submit(CollectiveType.BARRIER, [], process_set=process_set, wake=False).wait()
@@ -677,6 +721,7 @@ def _topology():
     return runtime.current().engine.topology
 
 
+@_plain_python
 def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
     """The number of ranks (of a process set) as a tensor evaluated when the graph runs."""
     def value() -> int:
@@ -688,6 +733,7 @@ def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
     return _int_op(value, name)
 
 
+@_plain_python
 def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
     """1 when this rank belongs to the process set, else 0, as a tensor."""
     def value() -> int:
@@ -699,26 +745,31 @@ def process_set_included_op(process_set_id: int = 0, name: str | None = None) ->
     return _int_op(value, name)
 
 
+@_plain_python
 def rank_op(name: str | None = None) -> tf.Tensor:
     """This process's rank as a tensor evaluated when the graph runs."""
     return _int_op(lambda: runtime.current().engine.rank, name)
 
 
+@_plain_python
 def local_rank_op(name: str | None = None) -> tf.Tensor:
     """This process's rank on its host, as a tensor."""
     return _int_op(lambda: _topology().local_rank, name)
 
 
+@_plain_python
 def local_size_op(name: str | None = None) -> tf.Tensor:
     """The number of processes on this host, as a tensor."""
     return _int_op(lambda: _topology().local_size, name)
 
 
+@_plain_python
 def cross_rank_op(name: str | None = None) -> tf.Tensor:
     """This host's index among the job's hosts, as a tensor."""
     return _int_op(lambda: _topology().cross_rank, name)
 
 
+@_plain_python
 def cross_size_op(name: str | None = None) -> tf.Tensor:
     """The number of hosts, as a tensor."""
     return _int_op(lambda: _topology().cross_size, name)
