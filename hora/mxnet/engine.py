@@ -55,8 +55,11 @@ class _Context(ctypes.Structure):
 _PUSH_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(_Context),
               ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
               ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p]
-_push_async_nd = ctypes.CFUNCTYPE(ctypes.c_int, *_PUSH_ARGS, ctypes.c_bool)(("MXEnginePushAsyncND", _LIB))
-_push_sync_nd = ctypes.CFUNCTYPE(ctypes.c_int, *_PUSH_ARGS)(("MXEnginePushSyncND", _LIB))
+try:  # MXNet >= 1.6 exports them
+    _push_async_nd = ctypes.CFUNCTYPE(ctypes.c_int, *_PUSH_ARGS, ctypes.c_bool)(("MXEnginePushAsyncND", _LIB))
+    _push_sync_nd = ctypes.CFUNCTYPE(ctypes.c_int, *_PUSH_ARGS)(("MXEnginePushSyncND", _LIB))
+except AttributeError:
+    _push_async_nd = _push_sync_nd = None
 _CPU = _Context(1, 0)
 
 _ops: dict[int, Callable] = {}  # id -> the Python function of an operation not yet run
@@ -119,8 +122,9 @@ _SYNC_FN = _SYNC(_run_sync)
 
 
 def available() -> bool:
-    """True when operations may complete after their push returns (not under MXNet's ``NaiveEngine``)."""
-    return "naive" not in os.environ.get("MXNET_ENGINE_TYPE", "").lower()
+    """True when this MXNet takes Python operations and lets them complete after their push returns (not
+    under ``MXNET_ENGINE_TYPE=NaiveEngine``)."""
+    return _push_async_nd is not None and "naive" not in os.environ.get("MXNET_ENGINE_TYPE", "").lower()
 
 
 def _handles(arrays: Sequence[mx.nd.NDArray]) -> tuple[ctypes.Array, int]:
@@ -129,6 +133,8 @@ def _handles(arrays: Sequence[mx.nd.NDArray]) -> tuple[ctypes.Array, int]:
 
 def _push(fn: Callable, reads: Sequence[mx.nd.NDArray], writes: Sequence[mx.nd.NDArray], priority: int,
           name: str, asynchronous: bool) -> None:
+    if _push_async_nd is None or _push_sync_nd is None:
+        raise RuntimeError("this MXNet has no MXEnginePushAsyncND/MXEnginePushSyncND (they came in MXNet 1.6)")
     if len({a.handle.value for a in writes}) != len(writes):
         raise ValueError(f"engine operation {name}: an NDArray is listed twice among those it writes")
     with _lock:

@@ -98,6 +98,8 @@ def test_engine_operations_hold_back_later_operators_until_they_complete():
     from hora.mxnet import engine
     from hora.mxnet.buffers import engine_view
 
+    if not engine.available():
+        pytest.skip("MXNET_ENGINE_TYPE=NaiveEngine completes every operation inside its push")
     src = mx.nd.arange(4) * 3  # still being computed: the operation must wait for it
     dst = mx.nd.zeros((4,))
     seen: list[str] = []

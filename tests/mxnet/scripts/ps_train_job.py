@@ -56,14 +56,14 @@ def weights(net) -> list[np.ndarray]:
 
 def engine_errors_reach_the_next_call(kv) -> None:
     """A pushpull on MXNet's engine returns at once; what fails there (here the servers' SGD on an int key)
-    is raised by the store's next call, and the store goes on working."""
+    is raised by the store's next call (by the pushpull itself under NaiveEngine, where it blocks)."""
     from hora.errors import ConfigError, PSError
 
     kv.init(1000, mx.nd.ones((4,), dtype="int32"))
     out = mx.nd.zeros((4,), dtype="int32")
-    kv.pushpull(1000, mx.nd.ones((4,), dtype="int32"), out=out)
-    mx.nd.waitall()
     try:
+        kv.pushpull(1000, mx.nd.ones((4,), dtype="int32"), out=out)
+        mx.nd.waitall()
         kv.barrier()
     except PSError as e:
         assert "floating-point" in str(e), e
