@@ -254,15 +254,21 @@ def worker_overhead(args) -> None:
             fn(x, y)
     block = max(5, args.steps // 4)
     times: dict[str, list[float]] = {k: [] for k in steps}
+    cpu: dict[str, list[float]] = {k: [] for k in steps}  # the process's CPU time: what other load does not add
     for _ in range(6):
         for name in ("plain", "hora", "hora", "plain"):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             for _ in range(block):
                 steps[name](x, y).numpy()
             times[name].append((time.perf_counter() - start) / block)
+            cpu[name].append((time.process_time() - start_cpu) / block)
     plain, hora = float(np.median(times["plain"])), float(np.median(times["hora"]))
+    plain_cpu, hora_cpu = float(np.median(cpu["plain"])), float(np.median(cpu["hora"]))
     print("BENCH " + json.dumps({"case": "overhead", "plain_step_ms": plain * 1e3, "hora_step_ms": hora * 1e3,
-                                 "overhead_ms": (hora - plain) * 1e3, "overhead_fraction": (hora - plain) / hora}),
+                                 "overhead_ms": (hora - plain) * 1e3, "overhead_fraction": (hora - plain) / hora,
+                                 "plain_cpu_ms": plain_cpu * 1e3, "hora_cpu_ms": hora_cpu * 1e3,
+                                 "overhead_cpu_ms": (hora_cpu - plain_cpu) * 1e3,
+                                 "overhead_cpu_fraction": (hora_cpu - plain_cpu) / hora_cpu}),
           flush=True)
     hvd.shutdown()
 
@@ -358,7 +364,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nhora-tf / mpi4py loop: {rate['hora-tf'] / rate['mpi4py']:.2f}")
     print(f"hora inside tf.function on 1 rank: step {overhead['plain_step_ms']:.2f} ms -> "
           f"{overhead['hora_step_ms']:.2f} ms, +{overhead['overhead_ms']:.3f} ms "
-          f"({100 * overhead['overhead_fraction']:.1f}% of the step)")
+          f"({100 * overhead['overhead_fraction']:.1f}% of the step); process CPU time a step "
+          f"{overhead['plain_cpu_ms']:.2f} ms -> {overhead['hora_cpu_ms']:.2f} ms, "
+          f"+{overhead['overhead_cpu_ms']:.3f} ms "
+          f"({100 * overhead['overhead_cpu_fraction']:.1f}%)")
     grads_mib = sum(a * b + b for a, b in zip(LAYERS[:-1], LAYERS[1:], strict=True)) * 4 / 2 ** 20
     if "single" in rate and "hora-tf" in rate:
         single = median([r["peak_rss_mib"] for r in results["single"]])
