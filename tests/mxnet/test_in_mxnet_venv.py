@@ -1,7 +1,8 @@
 """From the main venv (no MXNet): run tests/mxnet in .venv-mxnet, where MXNet 1.9.1 and numpy<1.24 live.
 
 ``./dev test`` sets .venv-mxnet up (``setup_mxnet``) and runs the main suite,
-which includes this test; so one command runs both.
+which includes this test (not marked slow, so the default run has it); so one
+command runs both.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from tests.conftest import job_env
 from tests.mxnet.conftest import HAVE_MXNET, MXNET_VENV_PYTHON, ROOT
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(1500)
 @pytest.mark.skipif(HAVE_MXNET, reason="this interpreter has mxnet: the tests of tests/mxnet run here directly")
 @pytest.mark.skipif(not MXNET_VENV_PYTHON.exists(), reason=f"{MXNET_VENV_PYTHON} is missing: ./dev setup makes it")
