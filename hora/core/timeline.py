@@ -98,6 +98,16 @@ MEMCPY_IN = "MEMCPY_IN_FUSION_BUFFER"
 MEMCPY_OUT = "MEMCPY_OUT_FUSION_BUFFER"
 
 
+#: What a recording learns of a tensor once and every later recording reuses, so that a timeline
+#: started at run time (``hvd.start_timeline``) does not pay for it again on its first step: a name's
+#: display name and collective (replaced when the name is announced with another kind), and a cached
+#: signature's closing ``args`` (keyed by ``id``, checked by identity).  Both are bounded: they are
+#: cleared when they grow past the limits below.
+_LABELS: dict[str, tuple[str, str]] = {}
+_CLOSING_ARGS: dict[int, tuple[Any, str]] = {}
+_MAX_LABELS = 1 << 16
+
+
 def rank_path(path: str | os.PathLike, rank: int) -> str:
     """Where ``rank`` writes its timeline: ``path`` itself for rank 0, ``<stem>.rank<r><suffix>`` beside it else."""
     p = Path(path)
@@ -164,7 +174,7 @@ class Timeline:
         self._epoch_us = int(time.time() * 1e6)
         # negotiation state, engine thread only: name -> [start, known ready ranks, last count, instants]
         self._negotiating: dict[str, list] = {}
-        self._labels: dict[str, tuple[str, str]] = {}  # name -> (display name, OP)
+        self._labels = _LABELS  # name -> (display name, OP), shared by every recording (see _LABELS)
         # writer state
         self._pids: dict[str, int] = {}
         self._open: dict[int, int] = {}  # pid -> spans open in the file
@@ -174,7 +184,7 @@ class Timeline:
         # written, with the bucket (see _format_ready_at_once); its span is counted in _open once written
         self._ops_open: dict[str, tuple[float, Any, Any]] = {}
         self._quoted: dict[str, str] = {}  # instant name -> as JSON
-        self._args_of: dict[int, tuple[Any, str]] = {}  # id(signature) -> (signature, closing args)
+        self._args_of = _CLOSING_ARGS  # id(signature) -> (signature, closing args), shared likewise
         self._file = None
         self._body_end = 0
         self._events = 0
@@ -238,8 +248,7 @@ class Timeline:
         for r, ann in enumerate(announcements or ()):
             for name in ann:
                 announced.setdefault(name, set()).add(r)
-                if name not in labels:
-                    self._label_from_signature(name, ann[name])
+                self._label_from_signature(name, ann[name])  # new, or its signature changed: maybe its kind
         # names of this rank's that the counts do not show yet (announced this round): their negotiation
         # starts when they were submitted
         for name in pending.keys() - seen.keys() - neg.keys():
@@ -320,7 +329,11 @@ class Timeline:
         return [(start, str(me))] + [(seen_at, str(r)) for r in ranks if r != me]
 
     def _label(self, name: str, kind: CollectiveType) -> None:
-        if name not in self._labels:
+        """Remember ``name``'s display name and collective (again, when the same name now runs another kind)."""
+        label = self._labels.get(name)
+        if label is None or label[1] != kind.name:
+            if len(self._labels) >= _MAX_LABELS:
+                self._labels.clear()
             self._labels[name] = (display_name(kind, name), kind.name)
 
     def _label_from_signature(self, name: str, raw: bytes) -> bool:

@@ -116,6 +116,24 @@ def test_a_negotiation_whose_collective_never_ran_is_written_at_close(tmp_path):
                     ("E", None)]
 
 
+def test_a_name_announced_with_another_kind_is_labelled_anew_in_a_later_recording(tmp_path):
+    """Labels outlive a recording (a timeline started at run time reuses them), but follow the name's kind."""
+    for kind, path in ((CollectiveType.ALLREDUCE, tmp_path / "a.json"),
+                       (CollectiveType.ALLGATHER, tmp_path / "b.json")):
+        tl = Timeline(path, rank=0, flush_interval_s=0.01)
+        s = sig(kind)
+        ready = Ready("x", 0, [s, s])
+        pending = {"x": SimpleNamespace(kind=kind, submitted_at=time.monotonic())}
+        announced = [{"x": s.encode()}, {"x": s.encode()}]
+        tl.observe_round(time.monotonic(), pending, NameCache(16), np.array([0, 0, 0]), HEADER, announced,
+                         {0: (0, 1)}, [ready])
+        tl.close()
+        ev = events_of(path)
+        assert {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": f"{kind.label}.x"}} in ev
+        assert [e["name"] for e in ev if e.get("pid") == 1 and e["ph"] == "B"] == [f"NEGOTIATE_{kind.name}",
+                                                                                    kind.name]
+
+
 def test_readiness_that_the_counts_cannot_attribute_is_named_by_count(tmp_path):
     """Four ranks, rank 0 not ready, two of three others ready: the count cannot say which two."""
     path = tmp_path / "tl.json"
