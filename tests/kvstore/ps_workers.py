@@ -65,6 +65,39 @@ def sums(kv_type: str, dtype: str, kind: str, iters: str) -> None:
     print("CHECKED", checked + 1, flush=True)
 
 
+def tickets() -> None:
+    """pushpull_async: the ticket's on_ready fires, finish gives the round's sum; misuse raises clearly."""
+    import threading
+
+    from hora.errors import ConfigError, PSError
+    kv = kvs.create("dist_sync")
+    rank, workers = kv.rank, kv.num_workers
+    kv.init("w", np.zeros(50, np.float32))
+    checked = 0
+    for it in range(3):
+        ready = threading.Event()
+        ticket = kv.pushpull_async("w", np.full(50, rank + it, np.float32))
+        ticket.on_ready(ready.set)
+        assert ready.wait(30), "on_ready was not called within 30 s"
+        out = np.empty(50, np.float32)
+        ticket.finish([out])
+        np.testing.assert_array_equal(out, sum(r + it for r in range(workers)))
+        checked += 1
+        try:
+            ticket.finish([out])
+        except PSError as e:
+            print(f"RAISED {type(e).__name__}: {e}", flush=True)
+    ticket = kv.pushpull_async("w", np.zeros(50, np.float32))
+    try:
+        ticket.finish([np.empty(50, np.float32), np.empty(50, np.float32)])  # one key, two outs
+    except ConfigError as e:
+        print(f"RAISED {type(e).__name__}: {e}", flush=True)
+    ticket.cancel()  # after a failed finish: nothing left to do
+    kv.barrier()
+    kv.close()
+    print("CHECKED", checked, flush=True)
+
+
 def async_once(iters: str) -> None:
     """dist_async through SGD(lr=1): the value ends at -(every push), each applied exactly once."""
     from hora.kvstore.optimizer import SGD

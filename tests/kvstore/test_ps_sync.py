@@ -40,6 +40,20 @@ def test_device_sync_sums_device_values(tmp_path):
         assert c.wait_roles() == [0, 0], c.report()
 
 
+def test_pushpull_async_tickets_give_the_sum_and_refuse_misuse(tmp_path):
+    """The ticket a binding runs on its engine: ready signal, exact values, and clear errors when misused."""
+    with Cluster(tmp_path, 2, 1) as c:
+        c.start_roles()
+        results = c.run_workers("tickets")
+        _all_checked(results, c, 3)
+        for r in results:
+            raised = r.lines("RAISED")
+            assert raised.count("PSError: this pull was already finished or cancelled") == 3, c.report()
+            assert any(line.startswith("ConfigError: 1 keys were pulled but 2 outs were given") for line in raised), \
+                c.report()
+        assert c.wait_roles() == [0, 0], c.report()
+
+
 def test_async_applies_every_push_once(tmp_path):
     with Cluster(tmp_path, 3, 2, env=SPLIT) as c:
         c.start_roles()
