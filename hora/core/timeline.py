@@ -33,11 +33,17 @@ Recording never blocks a collective: the engine appends a small tuple to a
 bounded queue and a writer thread formats and writes it.  In the steady state
 (every tensor of a step found ready on every rank in one round) the round's
 negotiations travel as one record, and each tensor's whole collective is
-written in one piece when its bucket is done, from text cut once per round
-and bucket; the output is the same as the general path's.  When the queue is
-full the record is dropped and counted; the file gets a ``TIMELINE_DROPPED``
-instant with the count and the log says how many.  The disabled cost on the
-engine's path is one attribute check per round and per bucket.
+written in one piece when its bucket is done.  A steady round that repeats
+(the same Ready objects, reduced in the same buckets: a training step) is
+written from the text of the first such round, kept with a gap for each time,
+whose gaps are filled with array operations instead of per-event Python.
+Either way the output is event for event the general path's.  When the queue
+is full the record is dropped and counted; the file gets a
+``TIMELINE_DROPPED`` instant with the count and the log says how many.  The
+disabled cost on the engine's path is one attribute check per round and per
+bucket.  One writer thread serves every recording of the process, and
+stopping a recording writes the rest of its queue from the calling thread,
+so starting and stopping one costs no thread start or join.
 
 The file is valid JSON after every write: the writer appends each batch of
 events before a closing ``]`` it rewrites, so a reader sees a complete array
@@ -58,15 +64,20 @@ way it logs what it did.
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import logging
 import os
+import re
 import signal
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from hora.core.ops import CollectiveType
 from hora.errors import ConfigError
@@ -107,6 +118,18 @@ _LABELS: dict[str, tuple[str, str]] = {}
 _CLOSING_ARGS: dict[int, tuple[Any, str]] = {}
 _MAX_LABELS = 1 << 16
 
+#: Where a steady round's text takes its times (see :class:`_RoundText`): a tensor's submission
+#: (``_SUBMITTED``), the round that counted the other ranks, the round's end, and its bucket's start,
+#: packed, reduced and done times.  No event text holds these characters.
+_SEEN, _END, _T0, _T1, _T2, _T3 = "\x03", "\x04", "\x05", "\x06", "\x07", "\x08"
+_TIME_KINDS = {c: i for i, c in enumerate("\x02\x03\x04\x05\x06\x07\x08")}
+_TIME_GAP = re.compile("([\x02-\x08])")
+#: Steady rounds' texts, by (tensors, id of the first Ready, rank); shared by every recording.
+_ROUND_TEXTS: dict[tuple[int, int, int], list[_RoundText]] = {}
+_MAX_ROUND_TEXTS = 64
+_ROUND_TEXTS_LOCK = threading.Lock()  # a text's gaps are filled in place: one writer at a time
+_FILE_SERIALS = itertools.count(1)  # tells one file's pids from another's
+
 
 def rank_path(path: str | os.PathLike, rank: int) -> str:
     """Where ``rank`` writes its timeline: ``path`` itself for rank 0, ``<stem>.rank<r><suffix>`` beside it else."""
@@ -122,14 +145,196 @@ def display_name(kind: CollectiveType, name: str) -> str:
     return name if name.startswith(prefix) else prefix + name
 
 
+def _activity_chunks(activity: str, fused: bool, t0: Any, t1: Any, t2: Any, t3: Any) -> list[str]:
+    """A bucket's events after a tensor's ``QUEUE`` begins, cut at the pids: one join with a pid gives them.
+
+    ``QUEUE`` ends at ``t0``; a fused bucket packs from ``t0`` to ``t1`` and unpacks from ``t2`` to
+    ``t3``; the backend's activity runs from ``t1`` to ``t2``; the ``<OP>`` span ends at ``t3`` (its args
+    follow the last piece).
+    """
+    events = ["", f'}},\n{{"ph": "E", "ts": {t0}, "pid": ']
+    if fused:
+        events += [f'}},\n{{"ph": "B", "name": "{MEMCPY_IN}", "ts": {t0}, "pid": ',
+                   f'}},\n{{"ph": "E", "ts": {t1}, "pid": ']
+    events += [f'}},\n{{"ph": "B", "name": "{activity}", "ts": {t1}, "pid": ',
+               f'}},\n{{"ph": "E", "ts": {t2}, "pid": ']
+    if fused:
+        events += [f'}},\n{{"ph": "B", "name": "{MEMCPY_OUT}", "ts": {t2}, "pid": ',
+                   f'}},\n{{"ph": "E", "ts": {t3}, "pid": ']
+    events.append(f'}},\n{{"ph": "E", "ts": {t3}, "pid": ')
+    return events
+
+
+class _RoundText:
+    """The whole text of a steady round, cut where its times go, kept across steps and recordings.
+
+    A steady round is a ``_READY_AT_ONCE`` record of allreduces followed by the
+    buckets that reduced exactly those tensors.  Its text is what the general
+    path writes for it, tensor by tensor; from one such round to the next with
+    the same Ready objects and buckets, only the times change.  The text is kept
+    as lists of fixed pieces with a gap before each time: one list per layout
+    of a tensor's events (fused or in place), so that the gaps of one kind of
+    time in a list are evenly spaced and one slice assignment fills them all.
+    """
+
+    __slots__ = ("readies", "rankses", "buckets", "pids", "pid_lines", "regions", "file")
+
+    def __init__(self, readies: tuple, rankses: tuple, buckets: list[tuple], pids: list[int],
+                 pid_lines: list[str]) -> None:
+        self.readies = readies  # the round's Ready objects, in the record's order (held: their ids are the key)
+        self.rankses = rankses  # each tensor's process-set ranks
+        self.buckets = buckets  # (backend, fused, names) of each bucket, in order
+        self.pids = pids  # each tensor's pid in the file the text was cut for
+        self.pid_lines = pid_lines  # the M events naming those pids, for a new file
+        self.regions: list[_Region] = []  # one per layout of a tensor's events
+        self.file = 0  # the file whose pids were last checked against ``pids``
+
+
+#: "0000" ... "9999" as rows of ASCII digits: four digits of a time per lookup
+_FOUR_DIGITS = np.frombuffer("".join(f"{i:04d}" for i in range(10000)).encode(), np.uint8).reshape(10000, 4)
+
+
+def _digits(values: np.ndarray, width: int) -> np.ndarray:
+    """The ASCII digits of non-negative int64 ``values`` that all have ``width`` digits, one after another.
+
+    Four digits per table lookup: three times faster than ``str`` of each value here.
+    """
+    groups = []
+    for _ in range((width - 1) // 4):
+        values, low = np.divmod(values, 10000)
+        groups.append(_FOUR_DIGITS[low])
+    groups.append(_FOUR_DIGITS[values])
+    return np.concatenate(groups[::-1], axis=1)[:, -width:].ravel()
+
+
+class _Region:
+    """The part of a :class:`_RoundText` whose tensors' events have one layout: the same gaps in the same order.
+
+    Args:
+        pieces: the text, fixed pieces at even indexes and a gap (None) between each two.
+        layout: the kind of time of each of a tensor's gaps (the ``_SUBMITTED`` ... ``_T3`` characters).
+        order: each tensor's index in the round's record, in the text's order.
+        in_bucket: each tensor's bucket (its index in the round).
+        tensors: how many tensors the round has.
+    """
+
+    __slots__ = ("pieces", "gaps", "order", "in_bucket", "sources", "by_width")
+
+    def __init__(self, pieces: list, layout: tuple[str, ...], order: list[int], in_bucket: list[int],
+                 tensors: int) -> None:
+        self.pieces = pieces
+        self.order = order
+        self.in_bucket = in_bucket
+        stride = 2 * len(layout)
+        kinds = [_TIME_KINDS[kind] for kind in layout]
+        #: (the gaps of one kind of time as a slice of ``pieces``, that kind) for each of a tensor's gaps
+        self.gaps = [(slice(1 + 2 * j, None, stride), kind) for j, kind in enumerate(kinds)]
+        # the index of each gap's time in the round's vector of times (see Timeline._write_steady)
+        index = [i if kind == 0 else tensors if kind <= 2 else tensors + 1 + 4 * b + kind - 3
+                 for i, b in zip(order, in_bucket, strict=True) for kind in kinds]
+        self.sources = np.asarray(index, dtype=np.intp)
+        self.by_width: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def digits_template(self, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The text as bytes with room for ``width`` digits in each gap, where each digit goes, and where from.
+
+        Returns the bytes (a writable array), the index in them of each gap's digits, and the index of
+        each of those digits in the round's ``(times, width)`` array of digits, flattened.
+        """
+        kept = self.by_width.get(width)
+        if kept is None:
+            text, starts = bytearray(), []
+            fixed = self.pieces[0::2]
+            for k, piece in enumerate(fixed):
+                text += piece.encode()
+                if k + 1 < len(fixed):
+                    starts.append(len(text))
+                    text += b"0" * width
+            digit = np.arange(width)
+            kept = (np.frombuffer(bytes(text), np.uint8).copy(),
+                    (np.asarray(starts)[:, None] + digit).ravel(),
+                    (self.sources[:, None] * width + digit).ravel())
+            self.by_width[width] = kept
+        return kept
+
+
+
+def _remove_regular_file(path: str) -> None:
+    """Unlink ``path`` if it is a regular file, so that opening it makes a new one.
+
+    Truncating a written file on open costs ext4 about 0.8 ms (it starts writing the old data out
+    first); unlinking it costs a tenth of that.  A symlink or special file is left to ``open``.
+    """
+    try:
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class _WriterThread:
+    """The one daemon thread that writes every open timeline's queue, every ``flush_interval_s``.
+
+    It is started with the first timeline of a process (again in a forked child) and then sleeps
+    until the next one, so that starting and stopping a recording costs no thread start or join:
+    ``Timeline.close`` writes the rest of its queue from the calling thread.
+    """
+
+    _current: _WriterThread | None = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.timelines: set[Timeline] = set()
+        self.wake = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="hora-timeline-writer", daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def get(cls) -> _WriterThread:
+        with cls._lock:
+            if cls._current is None or cls._current.pid != os.getpid():
+                cls._current = cls()
+            return cls._current
+
+    def add(self, timeline: Timeline) -> None:
+        with self._lock:  # the set is replaced, never changed: the thread iterates a snapshot
+            self.timelines = self.timelines | {timeline}
+        self.wake.set()
+
+    def remove(self, timeline: Timeline) -> None:
+        with self._lock:
+            self.timelines = self.timelines - {timeline}
+
+    def _run(self) -> None:
+        due = None  # when the next write is due; None while no timeline is open
+        while True:
+            self.wake.wait(None if due is None else max(0.0, due - time.monotonic()))
+            self.wake.clear()
+            timelines = self.timelines
+            interval = min((t._interval for t in timelines), default=None)
+            now = time.monotonic()
+            if interval is None:
+                due = None
+            elif due is None:  # the first timeline in a while: its first write is one interval away
+                due = now + interval
+            elif now >= due:
+                for timeline in timelines:
+                    timeline._write_queued()
+                due = time.monotonic() + interval
+            else:  # a timeline was added: one with a shorter interval is due sooner
+                due = min(due, now + interval)
+
+
 class Timeline:
-    """One timeline recording: the engine's recorder and the writer thread behind it.
+    """One timeline recording: the engine's recorder and the file the writer thread writes.
 
     The engine calls :meth:`cycle`, :meth:`observe_round`, :meth:`bucket` and
     :meth:`single` from whichever thread runs its round (never two at once);
-    they only append to a bounded queue.  :meth:`close` drains the queue,
-    closes the array and stops the writer; it is safe to call twice and from a
-    signal handler.
+    they only append to a bounded queue, which the process's writer thread
+    writes every ``flush_interval_s``.  :meth:`close` writes the rest of the
+    queue and closes the array; it is safe to call twice and from a signal
+    handler.
 
     Args:
         path: the file to write (created or truncated).
@@ -185,16 +390,19 @@ class Timeline:
         self._ops_open: dict[str, tuple[float, Any, Any]] = {}
         self._quoted: dict[str, str] = {}  # instant name -> as JSON
         self._args_of = _CLOSING_ARGS  # id(signature) -> (signature, closing args), shared likewise
+        # a steady round being written from its _RoundText: [text, record, starts, end, buckets so far]
+        self._steady: list | None = None
+        # a round written by the general path that may become a _RoundText: [record, names left, buckets]
+        self._candidate: list | None = None
+        self._file_serial = 0
         self._file = None
         self._body_end = 0
         self._events = 0
         self._closed = threading.Event()
         self._stopped = False
-        self._wake = threading.Event()
         self._write_lock = threading.Lock()
         self._open_file()
-        self._thread = threading.Thread(target=self._writer, name=f"hora-timeline-{rank}", daemon=True)
-        self._thread.start()
+        _WriterThread.get().add(self)
         log.info("timeline: rank %d records to %s", rank, self.path)
 
     # ------------------------------------------------------------- recording
@@ -234,6 +442,11 @@ class Timeline:
             ready: the round's :class:`~hora.core.negotiation.Ready` list.
         """
         neg = self._negotiating
+        if not neg and announcements is None and ready:
+            at_once = self._ready_at_once(at, pending, totals[header:], members, ready)
+            if at_once is not None:
+                self.put((_READY_AT_ONCE, at, at_once))
+                return
         labels = self._labels
         by_id = cache.by_id
         counts = totals[header:]
@@ -289,6 +502,31 @@ class Timeline:
             self.put((_NEGOTIATION, r.name, state[0], instants, at, r, None if r.error is None else str(r.error)))
         if at_once:
             self.put((_READY_AT_ONCE, at, at_once))
+
+    def _ready_at_once(self, at: float, pending: Mapping[str, Any], counts: Any, members: Mapping[int, Sequence[int]],
+                       ready: Sequence[Any]) -> list[tuple] | None:
+        """The steady state in one pass: the items of the ``_READY_AT_ONCE`` record the general path would make.
+
+        That is a round that counted nothing but the ``ready`` tensors, each of them on every rank of its
+        process set, all of them this rank's own labelled requests, with nothing negotiating before it
+        and nothing announced.  None when the round is anything else.
+        """
+        counts = np.asarray(counts)
+        if np.count_nonzero(counts) != len(ready):
+            return None  # some tensor is counted but not ready everywhere
+        labels = self._labels
+        items = []
+        full = 0
+        for r in ready:
+            name = r.name
+            request = pending.get(name)
+            if request is None or r.error is not None or name not in labels:
+                return None
+            ranks = members.get(r.process_set, ())
+            full += len(ranks)
+            items.append((name, request.submitted_at, at, ranks, r))
+        # each count is at most its set's size, so equal sums mean every one is full (no joined rank's gap)
+        return items if int(counts.sum()) == full else None
 
     def _start(self, name: str, at: float) -> None:
         self._negotiating[name] = [at, set(), 0, []]
@@ -368,6 +606,7 @@ class Timeline:
     def _open_file(self) -> None:
         try:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            _remove_regular_file(self.path)
             self._file = open(self.path, "wb")  # noqa: SIM115 - the writer thread owns it until close()
         except OSError as e:
             raise ConfigError(f"cannot write the timeline to {self.path}: {e}; set HORA_TIMELINE "
@@ -379,23 +618,35 @@ class Timeline:
         ]
         self._pids = {}
         self._open = {}
+        self._file_serial = next(_FILE_SERIALS)
         self._body_end = 0
         self._events = 0
         self._file.write(b"[\n")
         self._body_end = 2
         self._append([json.dumps(e) for e in head])
 
-    def _append(self, lines: list[str]) -> None:
-        """Write event lines before the closing bracket, leaving a valid array behind."""
+    def _append(self, lines: list) -> None:
+        """Write event lines (str, or bytes from a steady round) before the closing bracket, leaving a valid array."""
         if not lines:
             return
         f = self._file
-        data = (",\n" if self._events else "") + ",\n".join(lines)
+        chunks: list[bytes] = []
+        run: list[str] = []
+        for line in lines:
+            if isinstance(line, bytes):
+                if run:
+                    chunks.append(",\n".join(run).encode())
+                    run = []
+                chunks.append(line)
+            else:
+                run.append(line)
+        if run:
+            chunks.append(",\n".join(run).encode())
+        data = (b",\n" if self._events else b"") + b",\n".join(chunks)
         f.seek(self._body_end)
-        f.write(data.encode())
+        f.write(data)
         self._body_end = f.tell()
-        f.write(b"\n]\n")
-        f.truncate()
+        f.write(b"\n]\n")  # the file only grows: this overwrites the last closing bracket and passes it
         f.flush()
         self._events += len(lines)
 
@@ -407,11 +658,14 @@ class Timeline:
         if pid is None:
             pid = len(self._pids) + 1
             self._pids[name] = pid
-            shown = self._labels.get(name, (name, ""))[0]
-            shown = json.dumps(shown)
-            lines.append(f'{{"name": "process_name", "ph": "M", "pid": {pid}, "args": {{"name": {shown}}}}}')
-            lines.append(f'{{"name": "process_sort_index", "ph": "M", "pid": {pid}, "args": {{"sort_index": {pid}}}}}')
+            lines += self._pid_lines(name, pid)
         return pid
+
+    def _pid_lines(self, name: str, pid: int) -> list[str]:
+        """The M events that name ``pid`` after ``name``'s tensor and sort it."""
+        shown = json.dumps(self._labels.get(name, (name, ""))[0])
+        return [f'{{"name": "process_name", "ph": "M", "pid": {pid}, "args": {{"name": {shown}}}}}',
+                f'{{"name": "process_sort_index", "ph": "M", "pid": {pid}, "args": {{"sort_index": {pid}}}}}']
 
     def _begin(self, lines: list[str], pid: int, what: str, t: float) -> None:
         lines.append(f'{{"ph": "B", "name": "{what}", "ts": {self._us(t)}, "pid": {pid}}}')
@@ -425,12 +679,23 @@ class Timeline:
 
     def _format(self, rec: tuple, lines: list[str]) -> None:
         code = rec[0]
+        if self._steady is not None:
+            if code == _BUCKET and self._steady_bucket(rec, lines):
+                return
+            self._materialize(lines)
+        if code == _BUCKET:
+            self._format_bucket(rec, lines)
+            if self._candidate is not None:
+                self._watch_candidate(rec)
+            return
+        self._candidate = None
         if code == _CYCLE:
             lines.append(f'{{"ph": "i", "name": "CYCLE_START", "ts": {self._us(rec[1])}, "s": "g"}}')
-        elif code == _BUCKET:
-            self._format_bucket(rec, lines)
         elif code == _READY_AT_ONCE:
-            self._format_ready_at_once(rec, lines)
+            if not self._start_steady(rec, lines):
+                candidate = self._candidate_of(rec)
+                self._format_ready_at_once(rec, lines)
+                self._candidate = candidate
         elif code == _NEGOTIATION:
             self._format_negotiation(rec, lines)
         elif code == _SINGLE:
@@ -469,7 +734,7 @@ class Timeline:
             label = labels.get(name, _UNLABELLED)[1]
             if shared_by is None or (kind, label, ranks, seen_at) != shared_by:
                 shared_by = (kind, label, ranks, seen_at)
-                pieces = self._negotiation_pieces(name, kind, at, seen_at, ranks)
+                pieces = self._negotiation_pieces(name, kind, str(self._us(at)), str(self._us(seen_at)), ranks)
             ops_open[name] = (at, sig, (start, seen_at, ranks, pieces))
 
     def _negotiation_text(self, name: str, pid: int | str, kind: CollectiveType,
@@ -541,19 +806,7 @@ class Timeline:
         t0, t1, t2, t3 = us(start), us(packed), us(reduced), us(done)
         activity = f"{backend.upper()}_ALLREDUCE"
         middle = (t0, t0, t1, t1, t2, t2, t3, t3) if fused else (t0, t1, t2, t3)
-        # The text after each tensor's QUEUE begins is the same for the whole bucket but for the pid, so it
-        # is cut at the pids once here, and each tensor's events are one join with its pid.
-        events = [f'}},\n{{"ph": "E", "ts": {t0}, "pid": ']
-        if fused:
-            events += [f'}},\n{{"ph": "B", "name": "{MEMCPY_IN}", "ts": {t0}, "pid": ',
-                       f'}},\n{{"ph": "E", "ts": {t1}, "pid": ']
-        events += [f'}},\n{{"ph": "B", "name": "{activity}", "ts": {t1}, "pid": ',
-                   f'}},\n{{"ph": "E", "ts": {t2}, "pid": ']
-        if fused:
-            events += [f'}},\n{{"ph": "B", "name": "{MEMCPY_OUT}", "ts": {t2}, "pid": ',
-                       f'}},\n{{"ph": "E", "ts": {t3}, "pid": ']
-        events.append(f'}},\n{{"ph": "E", "ts": {t3}, "pid": ')  # the <OP> span's end; its args follow
-        chunks = ["", *events]
+        chunks = _activity_chunks(activity, fused, t0, t1, t2, t3)
         ops_open, open_, pids, args_of = self._ops_open, self._open, self._pids, self._args_of
         queued_at, queue_head = None, ""
         for name in dict.fromkeys(names):
@@ -584,20 +837,177 @@ class Timeline:
             p = str(pid)
             lines.append(queue_head + p.join(chunks) + p + self._closing_args(op[1]) + "}")
 
-    def _negotiation_pieces(self, name: str, kind: CollectiveType, at: float, seen_at: float,
+    def _negotiation_pieces(self, name: str, kind: CollectiveType, end: str, seen: str,
                             ranks: Sequence[int]) -> tuple:
         """A one-round negotiation's text and the start of QUEUE, cut where each tensor's pid and submission go.
 
-        Returns three lists of pieces: joined with the pid, and with the submission time between them,
-        they give everything up to the ``"pid": `` of the tensor's QUEUE event.  Every tensor
-        negotiated in the same round shares them (see :meth:`_format_bucket`).
+        ``end`` and ``seen`` are the times (in the file's microseconds) of the round's end and of the
+        round that counted the other ranks.  Returns three lists of pieces: joined with the pid, and with
+        the submission time between them, they give everything up to the ``"pid": `` of the tensor's
+        QUEUE event.  Every tensor negotiated in the same round shares them (see :meth:`_format_bucket`).
         """
-        end = str(self._us(at))
         negotiation, others = self._negotiation_text(name, _PID, kind, ranks)
-        text = (negotiation % (_SUBMITTED, _SUBMITTED, *[str(self._us(seen_at))] * others, end, end)
+        text = (negotiation % (_SUBMITTED, _SUBMITTED, *[seen] * others, end, end)
                 + f',\n{{"ph": "B", "name": "{QUEUE}", "ts": {end}, "pid": ')
         before, between, after = text.split(_SUBMITTED)
         return before.split(_PID), between.split(_PID), after.split(_PID)
+
+    # ------------------------------------------------------ steady rounds
+    def _start_steady(self, rec: tuple, lines: list[str]) -> bool:
+        """Begin writing a ``_READY_AT_ONCE`` record from its round's kept text, if it has one that fits.
+
+        It fits when the record holds the same Ready objects (hence the same names, kinds, dtypes and
+        shapes), every tensor was counted in this round and submitted before it ended, the process sets
+        are the same, no earlier collective of these names is still open here, and the pids are the
+        text's (in a new file: given to them now, as the general path would).  The buckets then follow
+        (:meth:`_steady_bucket`).
+        """
+        _, at, items = rec
+        if not items:
+            return False
+        names, starts, seens, rankses, readies = zip(*items, strict=True)
+        texts = _ROUND_TEXTS.get((len(items), id(readies[0]), self.rank))
+        text = next((t for t in texts if t.readies == readies), None) if texts else None
+        if (text is None or text.rankses != rankses or seens.count(at) != len(seens) or max(starts) > at
+                or (self._ops_open and not self._ops_open.keys().isdisjoint(names))):
+            return False
+        if text.file != self._file_serial:
+            pids = self._pids
+            if [pids.get(name) for name in names] != text.pids:
+                first = len(pids) + 1
+                if text.pids != list(range(first, first + len(names))) or any(name in pids for name in names):
+                    return False
+                pids.update(zip(names, text.pids, strict=True))  # a new file: the pids the general path would give
+                lines += text.pid_lines
+            text.file = self._file_serial
+        self._steady = [text, rec, starts, at, []]
+        return True
+
+    def _steady_bucket(self, rec: tuple, lines: list[str]) -> bool:
+        """Take the steady round's next bucket if it is the one its text expects; after the last, write the round."""
+        steady = self._steady
+        text, got = steady[0], steady[4]
+        if rec[1:4] != text.buckets[len(got)]:
+            return False
+        got.append(rec)
+        if len(got) == len(text.buckets):
+            self._steady = None
+            self._write_steady(text, steady, lines)
+        return True
+
+    def _write_steady(self, text: _RoundText, steady: list, lines: list) -> None:
+        """Fill the round's text with its times and write it, with array operations rather than per-event Python.
+
+        The times are one vector: each tensor's submission, the round's end, then each bucket's four
+        times.  When they all have the same number of digits (a round rarely straddles a power of ten
+        microseconds after the start), their digits go straight into the bytes of the text kept for
+        that width; otherwise each kind of time fills its gaps of the text's pieces, a column at a time.
+        """
+        _, rec, starts, at, buckets = steady
+        if not _ROUND_TEXTS_LOCK.acquire(blocking=False):  # another recording is filling it
+            self._format_ready_at_once(rec, lines)
+            for bucket in buckets:
+                self._format_bucket(bucket, lines)
+            return
+        try:
+            n = len(starts)
+            values = np.array([*starts, at, *itertools.chain.from_iterable(bucket[4:8] for bucket in buckets)])
+            values -= self._t0
+            values *= 1e6
+            values = values.astype(np.int64)  # _us, for every time at once
+            width = len(str(values.max()))
+            if values.min() >= (10 ** (width - 1) if width > 1 else 0):  # every time has `width` digits
+                digits = _digits(values, width)
+                for region in text.regions:
+                    buf, positions, sources = region.digits_template(width)
+                    buf[positions] = digits[sources]
+                    lines.append(buf.tobytes())
+                return
+            shown = list(map(str, values.tolist()))
+            subs, end = shown[:n], shown[n]
+            for region in text.regions:
+                m = len(region.order)
+                columns = ([subs[i] for i in region.order], [end] * m, [end] * m,
+                           *([shown[n + 1 + 4 * b + k] for b in region.in_bucket] for k in range(4)))
+                pieces = region.pieces
+                for where, kind in region.gaps:
+                    pieces[where] = columns[kind]
+                lines.append("".join(pieces))
+        finally:
+            _ROUND_TEXTS_LOCK.release()
+
+    def _materialize(self, lines: list[str]) -> None:
+        """Hand a steady round that did not go as its text expects to the general path, as it stands."""
+        steady, self._steady = self._steady, None
+        if steady is None:
+            return
+        self._format_ready_at_once(steady[1], lines)
+        for bucket in steady[4]:
+            self._format_bucket(bucket, lines)
+
+    def _candidate_of(self, rec: tuple) -> list | None:
+        """A ``_READY_AT_ONCE`` record that could make a steady round, to watch while its buckets are written."""
+        _, at, items = rec
+        names = {item[0] for item in items}
+        if not items or len(names) != len(items) or not self._ops_open.keys().isdisjoint(names):
+            return None
+        for _, start, seen_at, _, ready in items:
+            if ready.first().kind is not CollectiveType.ALLREDUCE or seen_at != at or start > at:
+                return None
+        return [rec, names, []]
+
+    def _watch_candidate(self, rec: tuple) -> None:
+        """A bucket written by the general path: keep a text of the candidate round once its buckets cover it."""
+        candidate = self._candidate
+        names, left = rec[3], candidate[1]
+        if None in names or len(set(names)) != len(names) or not left.issuperset(names):
+            self._candidate = None
+            return
+        left.difference_update(names)
+        candidate[2].append(rec)
+        if not left:
+            self._candidate = None
+            self._keep_round_text(candidate[0], candidate[2])
+
+    def _keep_round_text(self, rec: tuple, buckets: list[tuple]) -> None:
+        """Cut the text the general path wrote for a steady round into a :class:`_RoundText`, for the next one."""
+        _, _, items = rec
+        names, _, _, rankses, readies = zip(*items, strict=True)
+        pids = self._pids
+        if any(name not in pids for name in names):
+            return
+        index = {name: i for i, name in enumerate(names)}
+        layouts: dict[tuple[str, ...], tuple[list, list[int], list[int]]] = {}
+        for b, (_, backend, fused, bucket_names, *_) in enumerate(buckets):
+            chunks = _activity_chunks(f"{backend.upper()}_ALLREDUCE", fused, _T0, _T1, _T2, _T3)
+            for name in bucket_names:
+                i = index[name]
+                sig = readies[i].first()
+                p = str(pids[name])
+                pieces = self._negotiation_pieces(name, sig.kind, _END, _SEEN, rankses[i])
+                cut = _TIME_GAP.split("".join((p.join(pieces[0]), _SUBMITTED, p.join(pieces[1]), _SUBMITTED,
+                                               p.join(pieces[2]), p.join(chunks), p, self._closing_args(sig), "}")))
+                fixed, layout = cut[0::2], tuple(cut[1::2])
+                region_pieces, order, in_bucket = layouts.setdefault(layout, ([], [], []))
+                if region_pieces:
+                    region_pieces[-1] += ",\n" + fixed[0]
+                else:
+                    region_pieces.append(fixed[0])
+                for piece in fixed[1:]:
+                    region_pieces += (None, piece)
+                order.append(i)
+                in_bucket.append(b)
+        text = _RoundText(readies, rankses, [b[1:4] for b in buckets], [pids[name] for name in names],
+                          [line for name in names for line in self._pid_lines(name, pids[name])])
+        for layout, (region_pieces, order, in_bucket) in layouts.items():
+            text.regions.append(_Region(region_pieces, layout, order, in_bucket, len(names)))
+        text.file = self._file_serial
+        key = (len(items), id(readies[0]), self.rank)
+        with _ROUND_TEXTS_LOCK:
+            if len(_ROUND_TEXTS) >= _MAX_ROUND_TEXTS:
+                _ROUND_TEXTS.clear()
+            kept = [t for t in _ROUND_TEXTS.get(key, ()) if t.readies != readies]
+            _ROUND_TEXTS[key] = [*kept, text]
 
     def _bucket_unopened(self, lines: list[str], name: str, pid: int, op: Any, activity: str, fused: bool,
                          middle: tuple[int, ...], done: float) -> None:
@@ -640,43 +1050,41 @@ class Timeline:
             return
         self._end(lines, pid, at, self._closing_args(op[1]))
 
-    def _writer(self) -> None:
-        while True:
-            self._wake.wait(self._interval)
-            self._wake.clear()
-            finishing = self._closed.is_set()
-            try:
-                self._drain()
-            except OSError as e:
-                log.error("timeline: writing %s failed (%s); the recording stops here", self.path, e)
-                self._stop_recording()
-            if finishing:
-                return
+    def _write_queued(self) -> None:
+        """Write what is queued (the writer thread's periodic call); an I/O error stops the recording."""
+        try:
+            self._drain()
+        except OSError as e:
+            log.error("timeline: writing %s failed (%s); the recording stops here", self.path, e)
+            self._stop_recording()
 
     def _drain(self) -> None:
         with self._write_lock:
-            if self._file is None:
-                self._queue.clear()
-                return
-            q = self._queue
-            lines: list[str] = []
-            while q:
-                rec = q.popleft()
-                if not self._stopped:
-                    self._format(rec, lines)
-            if self._stopped:
-                return
-            dropped = self.dropped
-            if dropped != self._written_drops:
-                if self._written_drops == 0:
-                    log.warning("timeline: the queue of %d records was full; dropping records (raise "
-                                "HORA_TIMELINE_QUEUE, or mark fewer cycles)", self.capacity)
-                lines.append(f'{{"ph": "i", "name": "TIMELINE_DROPPED", "ts": {self._us(time.monotonic())}, '
-                             f'"s": "g", "args": {{"records": {dropped - self._written_drops}}}}}')
-                self._written_drops = dropped
-            self._append(lines)
-            if self.max_bytes and self._body_end >= self.max_bytes:
-                self._at_cap()
+            self._drain_locked()
+
+    def _drain_locked(self) -> None:
+        if self._file is None:
+            self._queue.clear()
+            return
+        q = self._queue
+        lines: list[str] = []
+        while q:
+            rec = q.popleft()
+            if not self._stopped:
+                self._format(rec, lines)
+        if self._stopped:
+            return
+        dropped = self.dropped
+        if dropped != self._written_drops:
+            if self._written_drops == 0:
+                log.warning("timeline: the queue of %d records was full; dropping records (raise "
+                            "HORA_TIMELINE_QUEUE, or mark fewer cycles)", self.capacity)
+            lines.append(f'{{"ph": "i", "name": "TIMELINE_DROPPED", "ts": {self._us(time.monotonic())}, '
+                         f'"s": "g", "args": {{"records": {dropped - self._written_drops}}}}}')
+            self._written_drops = dropped
+        self._append(lines)
+        if self.max_bytes and self._body_end >= self.max_bytes:
+            self._at_cap()
 
     def _at_cap(self) -> None:
         mb = self.max_bytes / MiB
@@ -700,6 +1108,8 @@ class Timeline:
     def _close_spans(self, at: float) -> None:
         """End every span still open, so the file nests cleanly when it is closed."""
         lines: list[str] = []
+        self._materialize(lines)
+        self._candidate = None
         for name in [name for name, op in self._ops_open.items() if op[2] is not None]:
             self._write_deferred(name, lines)
         for pid, n in list(self._open.items()):
@@ -739,24 +1149,29 @@ class Timeline:
             self.put((_NEGOTIATION, name, start, instants, None, None, None))
 
     def close(self, timeout: float = 10.0) -> None:
-        """Write what is queued, close the array and stop the writer thread (idempotent)."""
-        first = not self._closed.is_set()
-        if first:
-            self._flush_negotiations()
-        self._closed.set()
-        self._wake.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-        if not first:
+        """Write what is queued and close the array, from the calling thread (idempotent).
+
+        Waits at most ``timeout`` seconds for a write the writer thread has under way.
+        """
+        if self._closed.is_set():
             return
-        with self._write_lock:
+        self._flush_negotiations()
+        self._closed.set()
+        _WriterThread.get().remove(self)
+        if not self._write_lock.acquire(timeout=timeout):
+            log.error("timeline: %s is still being written after %.0f s; leaving it as it is", self.path, timeout)
+            return
+        try:
             if self._file is not None and not self._stopped:
                 try:
+                    self._drain_locked()
                     self._close_spans(time.monotonic())
                     self._file.close()
                 except OSError as e:
                     log.error("timeline: closing %s failed: %s", self.path, e)
                 self._file = None
+        finally:
+            self._write_lock.release()
         if self.dropped:
             log.warning("timeline: %d records were dropped because the writer fell behind (see the "
                         "TIMELINE_DROPPED instants in %s)", self.dropped, self.path)

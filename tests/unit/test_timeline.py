@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -102,6 +103,104 @@ def test_a_collective_ready_everywhere_in_one_round_gives_the_same_spans(tmp_pat
         assert negotiate == mine_ready < other_ready == mine[3]["ts"] == mine[4]["ts"]  # submitted, then the round
         assert [e["ts"] for e in mine] == sorted(e["ts"] for e in mine)
         assert mine[-1]["args"] == {"dtype": "float32", "shape": "[4]"}
+
+
+class SteadyJob:
+    """Rounds of a training step as the engine records them: five allreduces, ready everywhere in one round,
+    reduced in a fused bucket of three and two buckets in place.  The Ready objects live on, as in the
+    engine's name cache, so a later round is recognised as the same."""
+
+    NAMES = ["w1", "w2", "w3", "big1", "big2"]
+    BUCKETS = [(["w1", "w2", "w3"], True), (["big1"], False), (["big2"], False)]
+
+    def __init__(self):
+        self.cache = NameCache(16)
+        for i, name in enumerate(self.NAMES):
+            s = sig(shape=(i + 1, 3))
+            self.cache.remember(name, 0, [s.encode(), s.encode()], Ready(name, 0, [s, s]))
+
+    def record(self, path, t0, starts):
+        """One recording with its zero at ``t0``, one step at each of ``starts``; returns its events."""
+        tl = Timeline(path, rank=0, flush_interval_s=3600)
+        tl._t0 = t0  # both recordings of a comparison count from the same zero
+        for k, t in enumerate(starts):
+            pending = {n: SimpleNamespace(kind=CollectiveType.ALLREDUCE, submitted_at=t + 1e-4 * i)
+                       for i, n in enumerate(self.NAMES)}
+            at = t + 0.001
+            tl.observe_round(at, pending, self.cache, np.array([0, 0, 0] + [2] * len(self.NAMES)), HEADER, None,
+                             {0: (0, 1)}, [self.cache.by_name[n].ready for n in self.NAMES])
+            for j, (names, fused) in enumerate(self.BUCKETS):
+                b = at + 0.002 * (j + 1)
+                tl.bucket("mpi", fused, names, b, b + 3e-4, b + 6e-4, b + 9e-4)
+                if k == 1 and j == 0:
+                    tl._drain()  # a write in the middle of a round: the round waits for its last bucket
+        tl.close()
+        return events_of(path)
+
+
+@pytest.mark.parametrize("zero", [0.0, 0.9992], ids=["same-digits", "straddling-1s"])
+def test_steady_rounds_written_from_the_kept_text_match_the_general_path(tmp_path, monkeypatch, zero):
+    """The second and later rounds of a step that repeats are written by filling the first one's text.
+
+    The file is event for event what the general path writes, both when every time of a round has the
+    same number of digits (digits copied into bytes) and when a round straddles 1 s (strings per gap).
+    """
+    job = SteadyJob()
+    starts = [1.0 + 0.01 * k for k in range(4)]
+    t0 = zero if zero == 0.0 else starts[2] + 0.0017 - 1.0  # round 3's bucket times cross 1 s, its starts not
+    filled = []
+    real = Timeline._write_steady
+    monkeypatch.setattr(Timeline, "_write_steady", lambda self, *a: (filled.append(1), real(self, *a))[1])
+    tlmod._ROUND_TEXTS.clear()
+    fast = job.record(tmp_path / "fast.json", t0, starts)
+    assert len(filled) == 3  # the first round is written by the general path, which keeps its text
+    monkeypatch.setattr(Timeline, "_start_steady", lambda self, rec, lines: False)
+    general = job.record(tmp_path / "general.json", t0, starts)
+    assert fast[2:] == general[2:]  # all but the two events naming the file's start time
+    spans = [(e["ph"], e.get("name")) for e in fast if e.get("pid") == 4 and e["ph"] != "M"]
+    assert spans[-5:] == [("B", "QUEUE"), ("E", None), ("B", "MPI_ALLREDUCE"), ("E", None), ("E", None)]  # in place
+
+
+def test_a_kept_text_serves_the_first_round_of_a_new_file(tmp_path, monkeypatch):
+    """A timeline started again (every few steps, say) writes its first round from the text already kept,
+    giving the tensors the pids and names the general path would give them."""
+    job = SteadyJob()
+    tlmod._ROUND_TEXTS.clear()
+    job.record(tmp_path / "one.json", 0.0, [1.0, 1.01])
+    kept = []
+    real = Timeline._keep_round_text
+    monkeypatch.setattr(Timeline, "_keep_round_text", lambda self, *a: (kept.append(1), real(self, *a))[1])
+    again = job.record(tmp_path / "two.json", 0.0, [1.0, 1.01])
+    assert kept == []
+    monkeypatch.setattr(Timeline, "_start_steady", lambda self, rec, lines: False)
+    general = job.record(tmp_path / "three.json", 0.0, [1.0, 1.01])
+    assert again[2:] == general[2:]
+    assert {"name": "process_name", "ph": "M", "pid": 4, "args": {"name": "allreduce.big1"}} in again
+
+
+def test_digits_of_times_of_every_width():
+    rng = np.random.default_rng(0)
+    for width in range(1, 19):
+        low = 10 ** (width - 1) if width > 1 else 0
+        values = np.append(rng.integers(low, 10 ** width, 200, dtype=np.int64), [low, 10 ** width - 1])
+        expected = "".join(str(v) for v in values.tolist()).encode()
+        assert tlmod._digits(values, width).tobytes() == expected
+
+
+def test_recordings_share_one_writer_thread_and_write_through_a_symlink(tmp_path):
+    """Starting and stopping a timeline starts no thread; a symlinked path keeps its link."""
+    target = tmp_path / "real.json"
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    Timeline(tmp_path / "warm.json", rank=0).close()
+    threads = threading.active_count()
+    for _ in range(20):
+        tl = Timeline(link, rank=0, flush_interval_s=0.001)
+        one_round(tl, ["w"], time.monotonic())
+        tl.close()
+        assert threading.active_count() == threads
+    assert link.is_symlink()
+    assert [e["name"] for e in events_of(target) if e.get("ph") == "B"] == ["NEGOTIATE_ALLREDUCE", "ALLREDUCE"]
 
 
 def test_a_negotiation_whose_collective_never_ran_is_written_at_close(tmp_path):
