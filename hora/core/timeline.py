@@ -67,6 +67,7 @@ import collections
 import itertools
 import json
 import logging
+import operator
 import os
 import re
 import signal
@@ -129,6 +130,7 @@ _ROUND_TEXTS: dict[tuple[int, int, int], list[_RoundText]] = {}
 _MAX_ROUND_TEXTS = 64
 _ROUND_TEXTS_LOCK = threading.Lock()  # a text's gaps are filled in place: one writer at a time
 _FILE_SERIALS = itertools.count(1)  # tells one file's pids from another's
+_LAST_STEADY: list[tuple] = [()]  # the Ready objects of the last steady round without a kept text
 
 
 def rank_path(path: str | os.PathLike, rank: int) -> str:
@@ -172,9 +174,13 @@ class _RoundText:
     buckets that reduced exactly those tensors.  Its text is what the general
     path writes for it, tensor by tensor; from one such round to the next with
     the same Ready objects and buckets, only the times change.  The text is kept
-    as lists of fixed pieces with a gap before each time: one list per layout
-    of a tensor's events (fused or in place), so that the gaps of one kind of
-    time in a list are evenly spaced and one slice assignment fills them all.
+    in one :class:`_Region` per layout of a tensor's events (fused or in place):
+    as bytes with room for the digits of each time, for each number of digits
+    the times have had, and as pieces with a gap for each time, where the gaps
+    of one kind of time are evenly spaced, for a round whose times do not all
+    have the same number of digits.  It is kept once the same round has been
+    seen twice, so that rounds that never repeat (new names every step) do not
+    pay for cutting it.
     """
 
     __slots__ = ("readies", "rankses", "buckets", "pids", "pid_lines", "regions", "file")
@@ -256,7 +262,6 @@ class _Region:
                     (self.sources[:, None] * width + digit).ravel())
             self.by_width[width] = kept
         return kept
-
 
 
 def _remove_regular_file(path: str) -> None:
@@ -954,7 +959,7 @@ class Timeline:
         for _, start, seen_at, _, ready in items:
             if ready.first().kind is not CollectiveType.ALLREDUCE or seen_at != at or start > at:
                 return None
-        return [rec, names, []]
+        return [rec, names, [], tuple(item[4] for item in items)]
 
     def _watch_candidate(self, rec: tuple) -> None:
         """A bucket written by the general path: keep a text of the candidate round once its buckets cover it."""
@@ -967,7 +972,11 @@ class Timeline:
         candidate[2].append(rec)
         if not left:
             self._candidate = None
-            self._keep_round_text(candidate[0], candidate[2])
+            readies = candidate[3]
+            seen = _LAST_STEADY[0]  # the same objects (not merely equal ones): the second time this round is seen
+            if len(seen) == len(readies) and all(map(operator.is_, seen, readies)):
+                self._keep_round_text(candidate[0], candidate[2])
+            _LAST_STEADY[0] = readies
 
     def _keep_round_text(self, rec: tuple, buckets: list[tuple]) -> None:
         """Cut the text the general path wrote for a steady round into a :class:`_RoundText`, for the next one."""
@@ -1051,11 +1060,12 @@ class Timeline:
         self._end(lines, pid, at, self._closing_args(op[1]))
 
     def _write_queued(self) -> None:
-        """Write what is queued (the writer thread's periodic call); an I/O error stops the recording."""
+        """Write what is queued (the writer thread's periodic call); any error stops this recording only."""
         try:
             self._drain()
-        except OSError as e:
-            log.error("timeline: writing %s failed (%s); the recording stops here", self.path, e)
+        except Exception as e:  # noqa: BLE001 - the writer thread serves every recording: it must go on
+            log.error("timeline: writing %s failed (%s: %s); the recording stops here", self.path,
+                      type(e).__name__, e)
             self._stop_recording()
 
     def _drain(self) -> None:

@@ -140,20 +140,20 @@ class SteadyJob:
 
 @pytest.mark.parametrize("zero", [0.0, 0.9992], ids=["same-digits", "straddling-1s"])
 def test_steady_rounds_written_from_the_kept_text_match_the_general_path(tmp_path, monkeypatch, zero):
-    """The second and later rounds of a step that repeats are written by filling the first one's text.
+    """The third and later rounds of a step that repeats are written by filling a kept text.
 
     The file is event for event what the general path writes, both when every time of a round has the
     same number of digits (digits copied into bytes) and when a round straddles 1 s (strings per gap).
     """
     job = SteadyJob()
     starts = [1.0 + 0.01 * k for k in range(4)]
-    t0 = zero if zero == 0.0 else starts[2] + 0.0017 - 1.0  # round 3's bucket times cross 1 s, its starts not
+    t0 = zero if zero == 0.0 else starts[3] + 0.0017 - 1.0  # round 4's bucket times cross 1 s, its starts not
     filled = []
     real = Timeline._write_steady
     monkeypatch.setattr(Timeline, "_write_steady", lambda self, *a: (filled.append(1), real(self, *a))[1])
     tlmod._ROUND_TEXTS.clear()
     fast = job.record(tmp_path / "fast.json", t0, starts)
-    assert len(filled) == 3  # the first round is written by the general path, which keeps its text
+    assert len(filled) == 2  # the general path writes two rounds, and keeps the text of the second
     monkeypatch.setattr(Timeline, "_start_steady", lambda self, rec, lines: False)
     general = job.record(tmp_path / "general.json", t0, starts)
     assert fast[2:] == general[2:]  # all but the two events naming the file's start time
@@ -176,6 +176,19 @@ def test_a_kept_text_serves_the_first_round_of_a_new_file(tmp_path, monkeypatch)
     general = job.record(tmp_path / "three.json", 0.0, [1.0, 1.01])
     assert again[2:] == general[2:]
     assert {"name": "process_name", "ph": "M", "pid": 4, "args": {"name": "allreduce.big1"}} in again
+
+
+def test_rounds_that_never_repeat_keep_no_text(tmp_path):
+    """New Ready objects every round (as with names that change every step): no text is cut for them."""
+    tlmod._ROUND_TEXTS.clear()
+    tl = Timeline(tmp_path / "tl.json", rank=0, flush_interval_s=3600)
+    for k in range(5):
+        t = 1.0 + 0.01 * k
+        one_round(tl, ["w"], t)
+        tl.bucket("mpi", False, ["w"], t + 0.001, t + 0.001, t + 0.002, t + 0.003)
+    tl.close()
+    assert tlmod._ROUND_TEXTS == {}
+    assert [e["name"] for e in events_of(tmp_path / "tl.json") if e.get("ph") == "B"].count("MPI_ALLREDUCE") == 5
 
 
 def test_digits_of_times_of_every_width():
