@@ -264,6 +264,20 @@ class _Region:
         return kept
 
 
+def _write_all(fd: int, buffers: list[bytes], offset: int) -> None:
+    """Write ``buffers`` one after another at ``offset`` of ``fd``, in one system call when the OS allows."""
+    if len(buffers) > 512 or not hasattr(os, "pwritev"):  # under every IOV_MAX; pwritev is not everywhere
+        buffers = [b"".join(buffers)]
+    written = os.pwritev(fd, buffers, offset) if len(buffers) > 1 else os.pwrite(fd, buffers[0], offset)
+    total = sum(map(len, buffers))
+    if written < total:  # a short write (a full disk raises instead): write the rest plainly
+        rest = memoryview(b"".join(buffers))[written:]
+        while rest:
+            n = os.pwrite(fd, rest, offset + written)
+            written += n
+            rest = rest[n:]
+
+
 def _remove_regular_file(path: str) -> None:
     """Unlink ``path`` if it is a regular file, so that opening it makes a new one.
 
@@ -612,7 +626,8 @@ class Timeline:
         try:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             _remove_regular_file(self.path)
-            self._file = open(self.path, "wb")  # noqa: SIM115 - the writer thread owns it until close()
+            # unbuffered: every write is one os.pwritev at the body's end (see _append)
+            self._file = open(self.path, "wb", buffering=0)  # noqa: SIM115 - the writer thread owns it until close()
         except OSError as e:
             raise ConfigError(f"cannot write the timeline to {self.path}: {e}; set HORA_TIMELINE "
                               "(--timeline-filename) to a writable path") from e
@@ -626,7 +641,7 @@ class Timeline:
         self._file_serial = next(_FILE_SERIALS)
         self._body_end = 0
         self._events = 0
-        self._file.write(b"[\n")
+        _write_all(self._file.fileno(), [b"[\n"], 0)
         self._body_end = 2
         self._append([json.dumps(e) for e in head])
 
@@ -634,25 +649,24 @@ class Timeline:
         """Write event lines (str, or bytes from a steady round) before the closing bracket, leaving a valid array."""
         if not lines:
             return
-        f = self._file
-        chunks: list[bytes] = []
+        chunks: list[bytes] = [b",\n"] if self._events else []
         run: list[str] = []
         for line in lines:
             if isinstance(line, bytes):
                 if run:
-                    chunks.append(",\n".join(run).encode())
+                    chunks += (",\n".join(run).encode(), b",\n")
                     run = []
-                chunks.append(line)
+                chunks += (line, b",\n")
             else:
                 run.append(line)
         if run:
             chunks.append(",\n".join(run).encode())
-        data = (b",\n" if self._events else b"") + b",\n".join(chunks)
-        f.seek(self._body_end)
-        f.write(data)
-        self._body_end = f.tell()
-        f.write(b"\n]\n")  # the file only grows: this overwrites the last closing bracket and passes it
-        f.flush()
+        else:
+            chunks.pop()  # the separator after the last bytes line
+        body = sum(map(len, chunks))
+        # the closing bracket goes after the body, over the last one: the file only grows
+        _write_all(self._file.fileno(), [*chunks, b"\n]\n"], self._body_end)
+        self._body_end += body
         self._events += len(lines)
 
     def _us(self, t: float) -> int:
