@@ -527,25 +527,29 @@ class Timeline:
         """The steady state in one pass: the items of the ``_READY_AT_ONCE`` record the general path would make.
 
         That is a round that counted nothing but the ``ready`` tensors, each of them on every rank of its
-        process set, all of them this rank's own labelled requests, with nothing negotiating before it
-        and nothing announced.  None when the round is anything else.
+        process set, all of them this rank's own labelled requests without an error, with nothing
+        negotiating before it and nothing announced.  None when the round is anything else.
         """
         counts = np.asarray(counts)
-        if np.count_nonzero(counts) != len(ready):
-            return None  # some tensor is counted but not ready everywhere
-        labels = self._labels
-        items = []
-        full = 0
-        for r in ready:
-            name = r.name
-            request = pending.get(name)
-            if request is None or r.error is not None or name not in labels:
-                return None
-            ranks = members.get(r.process_set, ())
-            full += len(ranks)
-            items.append((name, request.submitted_at, at, ranks, r))
+        # Without announcements every pending name is cached and counted, so as many counted names as
+        # pending ones and ready ones means the three are the same names.
+        if not len(ready) == len(pending) == np.count_nonzero(counts) or not self._labels.keys() >= pending.keys():
+            return None
+        if len(members) == 1:
+            ranks = next(iter(members.values()))
+            full = len(ranks) * len(ready)
+        else:
+            ranks = None
+            full = sum(len(members.get(r.process_set, ())) for r in ready)
         # each count is at most its set's size, so equal sums mean every one is full (no joined rank's gap)
-        return items if int(counts.sum()) == full else None
+        if int(counts.sum()) != full or any([r.error is not None for r in ready]):
+            return None
+        try:
+            if ranks is not None:
+                return [(r.name, pending[r.name].submitted_at, at, ranks, r) for r in ready]
+            return [(r.name, pending[r.name].submitted_at, at, members.get(r.process_set, ()), r) for r in ready]
+        except KeyError:  # not the same names after all
+            return None
 
     def _start(self, name: str, at: float) -> None:
         self._negotiating[name] = [at, set(), 0, []]
