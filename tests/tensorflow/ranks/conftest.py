@@ -20,6 +20,16 @@ def pytest_configure(config):
 
         rank = next(os.environ[v] for v in ("HORA_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK") if v in os.environ)
         config.option.basetemp = tempfile.mkdtemp(prefix=f"hora-tf-tests-rank{rank}-")
+        config._hora_basetemp = config.option.basetemp
+
+
+def pytest_unconfigure(config):
+    # The directory is this session's own (made above): remove it, or every run leaves one per rank in /tmp.
+    made = getattr(config, "_hora_basetemp", None)
+    if made:
+        import shutil
+
+        shutil.rmtree(made, ignore_errors=True)
 
 
 def pytest_ignore_collect(collection_path, config):
