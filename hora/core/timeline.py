@@ -123,8 +123,8 @@ _MAX_LABELS = 1 << 16
 #: (``_SUBMITTED``), the round that counted the other ranks, the round's end, and its bucket's start,
 #: packed, reduced and done times.  No event text holds these characters.
 _SEEN, _END, _T0, _T1, _T2, _T3 = "\x03", "\x04", "\x05", "\x06", "\x07", "\x08"
-_TIME_KINDS = {c: i for i, c in enumerate("\x02\x03\x04\x05\x06\x07\x08")}
-_TIME_GAP = re.compile("([\x02-\x08])")
+_TIME_KINDS = {c: i for i, c in enumerate((_SUBMITTED, _SEEN, _END, _T0, _T1, _T2, _T3))}
+_TIME_GAP = re.compile(f"([{''.join(_TIME_KINDS)}])")
 #: Steady rounds' texts, by (tensors, id of the first Ready, rank); shared by every recording.
 _ROUND_TEXTS: dict[tuple[int, int, int], list[_RoundText]] = {}
 _MAX_ROUND_TEXTS = 64
@@ -145,6 +145,14 @@ def display_name(kind: CollectiveType, name: str) -> str:
     """A tensor's name in the trace, Horovod's way: ``allreduce.<name>`` unless the name already says so."""
     prefix = kind.label + "."
     return name if name.startswith(prefix) else prefix + name
+
+
+def _steady_text(pieces: tuple, pid: str, submitted: str, chunks: list[str], args: str) -> str:
+    """One tensor's whole collective in the steady state: its negotiation pieces (see
+    ``Timeline._negotiation_pieces``) and its bucket's chunks (:func:`_activity_chunks`) joined at its pid,
+    with its submission time, and the closing ``args``."""
+    return "".join((pid.join(pieces[0]), submitted, pid.join(pieces[1]), submitted, pid.join(pieces[2]),
+                    pid.join(chunks), pid, args, "}"))
 
 
 def _activity_chunks(activity: str, fused: bool, t0: Any, t1: Any, t2: Any, t3: Any) -> list[str]:
@@ -844,8 +852,7 @@ class Timeline:
                 args = args_of.get(id(sig))
                 if args is None or args[0] is not sig:
                     args = self._closing_args_of(sig)
-                lines.append("".join((p.join(pieces[0]), submitted, p.join(pieces[1]), submitted,
-                                      p.join(pieces[2]), p.join(chunks), p, args[1], "}")))
+                lines.append(_steady_text(pieces, p, submitted, chunks, args[1]))
                 continue
             pid = pids.get(name) or self._pid(name, lines)
             if op is None or not open_.get(pid):  # its negotiation went to an earlier file, or was dropped
@@ -926,11 +933,9 @@ class Timeline:
         microseconds after the start), their digits go straight into the bytes of the text kept for
         that width; otherwise each kind of time fills its gaps of the text's pieces, a column at a time.
         """
-        _, rec, starts, at, buckets = steady
+        _, _, starts, at, buckets = steady
         if not _ROUND_TEXTS_LOCK.acquire(blocking=False):  # another recording is filling it
-            self._format_ready_at_once(rec, lines)
-            for bucket in buckets:
-                self._format_bucket(bucket, lines)
+            self._write_general(steady, lines)
             return
         try:
             n = len(starts)
@@ -962,8 +967,11 @@ class Timeline:
     def _materialize(self, lines: list[str]) -> None:
         """Hand a steady round that did not go as its text expects to the general path, as it stands."""
         steady, self._steady = self._steady, None
-        if steady is None:
-            return
+        if steady is not None:
+            self._write_general(steady, lines)
+
+    def _write_general(self, steady: list, lines: list[str]) -> None:
+        """Write a steady round's record and the buckets taken so far by the general path."""
         self._format_ready_at_once(steady[1], lines)
         for bucket in steady[4]:
             self._format_bucket(bucket, lines)
@@ -1012,8 +1020,7 @@ class Timeline:
                 sig = readies[i].first()
                 p = str(pids[name])
                 pieces = self._negotiation_pieces(name, sig.kind, _END, _SEEN, rankses[i])
-                cut = _TIME_GAP.split("".join((p.join(pieces[0]), _SUBMITTED, p.join(pieces[1]), _SUBMITTED,
-                                               p.join(pieces[2]), p.join(chunks), p, self._closing_args(sig), "}")))
+                cut = _TIME_GAP.split(_steady_text(pieces, p, _SUBMITTED, chunks, self._closing_args(sig)))
                 fixed, layout = cut[0::2], tuple(cut[1::2])
                 region_pieces, order, in_bucket = layouts.setdefault(layout, ([], [], []))
                 if region_pieces:
