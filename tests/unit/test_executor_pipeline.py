@@ -149,3 +149,45 @@ def test_upcast_dtypes_round_trip_through_the_fused_buffer(dtype):
         assert t.dtype == dtype
         want = torch.tensor(v * 2).to(dtype) if dtype != torch.bool else torch.tensor(v).bool()
         assert torch.equal(out[0], want)
+
+
+class Timeline:
+    """Records what the executor hands a timeline (the recorder's interface: Timeline.buckets)."""
+
+    def __init__(self) -> None:
+        self.records: list[list[tuple]] = []
+
+    def buckets(self, done: list[tuple]) -> None:
+        self.records.append(done)
+
+
+def test_a_recorded_round_hands_its_buckets_to_the_timeline_as_one_record():
+    backend = Recorder(concurrent=True, direct=16 * KiB, bucket=None)
+    tensors = [torch.ones(n) for n in [100, 8192, 200]]  # 32 KiB in place; the other two fused
+    psets = {0: ProcessSetState(0, (0, 1))}
+    executor = Executor(0, lambda device: backend, psets, 1 << 20, None)
+    executor.timeline = timeline = Timeline()
+    items = []
+    for i, t in enumerate(tensors):
+        req = Request(f"t{i}", CollectiveType.ALLREDUCE, [Entry(t, t)], op=ReduceOp.SUM)
+        sig = Signature.decode(req.signature_bytes())
+        items.append((Ready(req.name, 0, [sig, sig]), req))
+    executor.run(items)
+    assert len(timeline.records) == 1
+    (fused, direct) = timeline.records[0]
+    assert fused[:3] == ("recorder", True, ["t0", "t2"]) and direct[:3] == ("recorder", False, ["t1"])
+    for bucket in (fused, direct):
+        assert list(bucket[3:]) == sorted(bucket[3:])  # start <= packed <= reduced <= done
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated transport failure")
+
+    backend.concurrent = False
+    executor.timeline = timeline = Timeline()
+    started = backend.allreduce_start
+    calls = []
+    backend.allreduce_start = lambda *a, **k: (calls.append(1), (started if len(calls) == 1 else broken)(*a, **k))[1]
+    with pytest.raises(RuntimeError, match="simulated"):
+        executor.run([(ready, Request(ready.name, CollectiveType.ALLREDUCE, [Entry(t, t)], op=ReduceOp.SUM))
+                      for (ready, _), t in zip(items, tensors, strict=True)])
+    assert [[b[2] for b in record] for record in timeline.records] == [[["t0", "t2"]]]  # what finished, still

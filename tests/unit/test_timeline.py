@@ -119,8 +119,12 @@ class SteadyJob:
             s = sig(shape=(i + 1, 3))
             self.cache.remember(name, 0, [s.encode(), s.encode()], Ready(name, 0, [s, s]))
 
-    def record(self, path, t0, starts):
-        """One recording with its zero at ``t0``, one step at each of ``starts``; returns its events."""
+    def record(self, path, t0, starts, batched=False):
+        """One recording with its zero at ``t0``, one step at each of ``starts``; returns its events.
+
+        ``batched``: a round's buckets come as one record, as the executor hands them over (but for the
+        write in the middle of round 2), rather than one by one.
+        """
         tl = Timeline(path, rank=0, flush_interval_s=3600)
         tl._t0 = t0  # both recordings of a comparison count from the same zero
         for k, t in enumerate(starts):
@@ -129,21 +133,29 @@ class SteadyJob:
             at = t + 0.001
             tl.observe_round(at, pending, self.cache, np.array([0, 0, 0] + [2] * len(self.NAMES)), HEADER, None,
                              {0: (0, 1)}, [self.cache.by_name[n].ready for n in self.NAMES])
+            done = []
             for j, (names, fused) in enumerate(self.BUCKETS):
                 b = at + 0.002 * (j + 1)
-                tl.bucket("mpi", fused, names, b, b + 3e-4, b + 6e-4, b + 9e-4)
+                done.append(("mpi", fused, names, b, b + 3e-4, b + 6e-4, b + 9e-4))
+                if not batched or (k == 1 and j == 0):
+                    tl.buckets(done)
+                    done = []
                 if k == 1 and j == 0:
                     tl._drain()  # a write in the middle of a round: the round waits for its last bucket
+            if done:
+                tl.buckets(done)
         tl.close()
         return events_of(path)
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["bucket-by-bucket", "round-at-once"])
 @pytest.mark.parametrize("zero", [0.0, 0.9992], ids=["same-digits", "straddling-1s"])
-def test_steady_rounds_written_from_the_kept_text_match_the_general_path(tmp_path, monkeypatch, zero):
+def test_steady_rounds_written_from_the_kept_text_match_the_general_path(tmp_path, monkeypatch, zero, batched):
     """The third and later rounds of a step that repeats are written by filling a kept text.
 
     The file is event for event what the general path writes, both when every time of a round has the
-    same number of digits (digits copied into bytes) and when a round straddles 1 s (strings per gap).
+    same number of digits (digits copied into bytes) and when a round straddles 1 s (strings per gap),
+    and whether the buckets come one by one or as the round's one record.
     """
     job = SteadyJob()
     starts = [1.0 + 0.01 * k for k in range(4)]
@@ -152,10 +164,10 @@ def test_steady_rounds_written_from_the_kept_text_match_the_general_path(tmp_pat
     real = Timeline._write_steady
     monkeypatch.setattr(Timeline, "_write_steady", lambda self, *a: (filled.append(1), real(self, *a))[1])
     tlmod._ROUND_TEXTS.clear()
-    fast = job.record(tmp_path / "fast.json", t0, starts)
+    fast = job.record(tmp_path / "fast.json", t0, starts, batched)
     assert len(filled) == 2  # the general path writes two rounds, and keeps the text of the second
     monkeypatch.setattr(Timeline, "_start_steady", lambda self, rec, lines: False)
-    general = job.record(tmp_path / "general.json", t0, starts)
+    general = job.record(tmp_path / "general.json", t0, starts, not batched)
     assert fast[2:] == general[2:]  # all but the two events naming the file's start time
     spans = [(e["ph"], e.get("name")) for e in fast if e.get("pid") == 4 and e["ph"] != "M"]
     assert spans[-5:] == [("B", "QUEUE"), ("E", None), ("B", "MPI_ALLREDUCE"), ("E", None), ("E", None)]  # in place
