@@ -129,7 +129,7 @@ class Executor:
         self._devices: dict[str, tuple[ArrayOps, Any]] = {}
         #: the :class:`~hora.core.timeline.Timeline` recording this rank, or None (the engine sets it)
         self.timeline: Any = None
-        #: while a recorded round reduces: its finished buckets, as Timeline.bucket's arguments
+        #: while a recorded round reduces: its finished buckets (see Timeline.buckets)
         self._traced: list[tuple] | None = None
 
     # ------------------------------------------------------------------ driver

@@ -308,7 +308,7 @@ class _WriterThread:
     """
 
     _current: _WriterThread | None = None
-    _lock = threading.Lock()
+    _lock = threading.RLock()  # re-entrant: close() may run from a signal handler that interrupted add()
 
     def __init__(self) -> None:
         self.pid = os.getpid()
@@ -356,7 +356,7 @@ class _WriterThread:
 class Timeline:
     """One timeline recording: the engine's recorder and the file the writer thread writes.
 
-    The engine calls :meth:`cycle`, :meth:`observe_round`, :meth:`bucket` and
+    The engine calls :meth:`cycle`, :meth:`observe_round`, :meth:`buckets` and
     :meth:`single` from whichever thread runs its round (never two at once);
     they only append to a bounded queue, which the process's writer thread
     writes every ``flush_interval_s``.  :meth:`close` writes the rest of the
@@ -429,7 +429,8 @@ class Timeline:
         self._stopped = False
         self._write_lock = threading.Lock()
         self._open_file()
-        _WriterThread.get().add(self)
+        self._writer = _WriterThread.get()
+        self._writer.add(self)
         log.info("timeline: rank %d records to %s", rank, self.path)
 
     # ------------------------------------------------------------- recording
@@ -624,15 +625,11 @@ class Timeline:
         raw = next((s for s in entry.signatures if s is not None), None)
         return raw is not None and self._label_from_signature(name, raw)
 
-    def bucket(self, backend: str, fused: bool, names: list[str | None], start: float, packed: float,
-               reduced: float, done: float) -> None:
-        """One allreduce bucket: the tensors in it and when it was packed, reduced and unpacked."""
-        self.put((_BUCKETS, [(backend, fused, names, start, packed, reduced, done)]))
-
     def buckets(self, done: list[tuple]) -> None:
-        """A round's allreduce buckets in the order they ran, each as :meth:`bucket`'s arguments, as one record.
+        """A round's allreduce buckets, in the order they ran, as one record.
 
-        The executor hands a round's buckets over at once: one record rather than one per bucket
+        Each is ``(backend, fused, names, start, packed, reduced, done)``: the tensors in it and when it
+        started, was packed, reduced and unpacked.  One record a round rather than one a bucket
         (ResNet-50's gradients make 43) is less work for both the engine's thread and the writer's.
         """
         self.put((_BUCKETS, done))
@@ -1202,7 +1199,7 @@ class Timeline:
             return
         self._flush_negotiations()
         self._closed.set()
-        _WriterThread.get().remove(self)
+        self._writer.remove(self)  # not get(): in a forked child that would start a thread to remove it
         if not self._write_lock.acquire(timeout=timeout):
             log.error("timeline: %s is still being written after %.0f s; leaving it as it is", self.path, timeout)
             return

@@ -55,7 +55,7 @@ def test_one_collective_gives_horovods_spans(tmp_path):
     # round 1: only rank 0 marked it; round 2: both did
     tl.observe_round(t + 0.001, pending, cache, np.array([0, 0, 0, 1]), HEADER, None, members, [])
     tl.observe_round(t + 0.002, pending, cache, np.array([0, 0, 0, 2]), HEADER, None, members, [ready])
-    tl.bucket("mpi", True, ["w"], t + 0.003, t + 0.004, t + 0.005, t + 0.006)
+    tl.buckets([("mpi", True, ["w"], t + 0.003, t + 0.004, t + 0.005, t + 0.006)])
     tl.close()
     ev = events_of(path)
     assert ev[0]["args"]["start_time_since_epoch_in_micros"] > 0
@@ -89,7 +89,7 @@ def test_a_collective_ready_everywhere_in_one_round_gives_the_same_spans(tmp_pat
     tl = Timeline(path, rank=0, flush_interval_s=0.01)
     t = time.monotonic()
     one_round(tl, ["w", "v"], t)
-    tl.bucket("gloo", True, ["w", "v"], t + 0.001, t + 0.002, t + 0.003, t + 0.004)
+    tl.buckets([("gloo", True, ["w", "v"], t + 0.001, t + 0.002, t + 0.003, t + 0.004)])
     tl.close()
     ev = events_of(path)
     for pid in (1, 2):
@@ -197,7 +197,7 @@ def test_rounds_that_never_repeat_keep_no_text(tmp_path):
     for k in range(5):
         t = 1.0 + 0.01 * k
         one_round(tl, ["w"], t)
-        tl.bucket("mpi", False, ["w"], t + 0.001, t + 0.001, t + 0.002, t + 0.003)
+        tl.buckets([("mpi", False, ["w"], t + 0.001, t + 0.001, t + 0.002, t + 0.003)])
     tl.close()
     assert tlmod._ROUND_TEXTS == {}
     assert [e["name"] for e in events_of(tmp_path / "tl.json") if e.get("ph") == "B"].count("MPI_ALLREDUCE") == 5
@@ -226,6 +226,33 @@ def test_recordings_share_one_writer_thread_and_write_through_a_symlink(tmp_path
         assert threading.active_count() == threads
     assert link.is_symlink()
     assert [e["name"] for e in events_of(target) if e.get("ph") == "B"] == ["NEGOTIATE_ALLREDUCE", "ALLREDUCE"]
+
+
+@pytest.mark.timeout(60)
+def test_a_write_that_fails_stops_only_its_own_recording(tmp_path, caplog):
+    """The shared writer thread goes on serving the other recordings; the failed one says why and closes at once."""
+    broken = Timeline(tmp_path / "broken.json", rank=0, flush_interval_s=0.01)
+    healthy = Timeline(tmp_path / "healthy.json", rank=0, flush_interval_s=0.01)
+
+    def full_disk(lines):
+        raise OSError(28, "No space left on device")
+
+    broken._append = full_disk
+    t = time.monotonic()
+    one_round(broken, ["w"], t)
+    one_round(healthy, ["w"], t)
+    deadline = time.monotonic() + 30
+    while broken.active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not broken.active
+    assert f"writing {broken.path} failed (OSError" in caplog.text and "the recording stops here" in caplog.text
+    one_round(healthy, ["v"], time.monotonic() + 0.01)
+    time.sleep(0.1)  # the writer thread's next writes
+    broken.close()
+    healthy.close()
+    names = [e["name"] for e in events_of(tmp_path / "healthy.json") if e.get("ph") == "B"]
+    assert names.count("NEGOTIATE_ALLREDUCE") == 2
+    assert events_of(tmp_path / "broken.json")[0]["ph"] == "M"  # what it wrote before still loads
 
 
 def test_a_negotiation_whose_collective_never_ran_is_written_at_close(tmp_path):

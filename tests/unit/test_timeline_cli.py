@@ -31,7 +31,7 @@ def record(path, steps=4, slow_rank=1):
         tl.observe_round(t + 0.001, pending, cache, np.array([0, 0, 0, 1, 1]), HEADER, None, members, [])
         tl.observe_round(t + 0.006, pending, cache, np.array([0, 0, 0, 2, 2]), HEADER, None, members,
                          list(readies.values()))
-        tl.bucket("gloo", True, ["a", "b"], t + 0.007, t + 0.008, t + 0.018, t + 0.019)
+        tl.buckets([("gloo", True, ["a", "b"], t + 0.007, t + 0.008, t + 0.018, t + 0.019)])
         t += 0.02
     tl.close()
 
