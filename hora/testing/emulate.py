@@ -21,11 +21,14 @@ the other hosts over ssh exactly as on a real cluster.  The user's own
 identity and known_hosts files, passed to ssh with ``-F``.
 
 Needs root, ``ip`` (iproute2), ``unshare``/``nsenter`` (util-linux) and
-``sshd`` (Debian's openssh-server; :func:`ensure_tools` installs it with
-apt-get when allowed).  :func:`unavailable_reason` says why a machine cannot
-run it.  Set-up and teardown are idempotent; teardown runs on ``close()``,
-on leaving the ``with`` block and at interpreter exit, and resources left by
-a process that died are swept when the next cluster starts.
+``sshd`` (Debian's openssh-server).  It installs nothing itself: the
+project's test set-up does (``./dev setup``), and a missing tool raises
+:class:`ClusterUnavailable` naming the ``apt-get install`` command that
+provides it.  :func:`unavailable_reason` says why a machine cannot run it.
+Set-up and teardown are idempotent; teardown runs on ``close()``, on leaving
+the ``with`` block and at interpreter exit, and resources left by a process
+that died (its start time no longer matches the record) are swept when the
+next cluster starts.
 ``python -m hora.testing.emulate up|down|sweep`` drives it by hand.
 """
 
@@ -100,104 +103,121 @@ def _find_sshd() -> str | None:
     return shutil.which("sshd")
 
 
+#: The Debian packages that provide each tool the emulated cluster may need; the test path
+#: (``./dev setup``, ``tests/cluster/system-packages.sh``) installs them, never this module.
+PACKAGES = {
+    "sshd": "openssh-server", "ssh": "openssh-client", "ssh-keygen": "openssh-client", "rsync": "rsync",
+    "slurmctld": "slurm-wlm", "slurmd": "slurm-wlm", "srun": "slurm-wlm", "sinfo": "slurm-wlm",
+    "salloc": "slurm-wlm", "scontrol": "slurm-wlm",
+    "sge_qmaster": "gridengine-master", "sge_execd": "gridengine-exec", "qsub": "gridengine-client",
+    "qconf": "gridengine-client", "qrsh": "gridengine-client", "qstat": "gridengine-client",
+}
+
+
+def install_hint(tools: Sequence[str]) -> str:
+    """``apt-get install -y PKG...`` for the Debian packages that provide ``tools``."""
+    packages = dict.fromkeys(PACKAGES.get(os.path.basename(t), t) for t in tools)
+    return "apt-get install -y " + " ".join(packages)
+
+
+def require_tools(tools: Sequence[str], what: str) -> None:
+    """Raise :class:`ClusterUnavailable` naming the install command when any of ``tools`` is missing.
+
+    The emulated cluster never installs system packages by itself: the
+    project's test set-up does (``./dev setup``), or the user, with the
+    command the message names.
+    """
+    missing = [t for t in tools if _which(t) is None]
+    if missing:
+        raise ClusterUnavailable(
+            f"{what} needs {', '.join(missing)}, which is not installed; run: {install_hint(missing)}"
+        )
+
+
+def _which(tool: str) -> str | None:
+    if tool == "sshd":
+        return _find_sshd()
+    # Debian keeps the grid engine's daemons in /usr/sbin and its tools in /usr/lib/gridengine.
+    return shutil.which(tool) or next(
+        (p for p in (f"/usr/sbin/{tool}", f"/usr/lib/gridengine/{tool}") if os.access(p, os.X_OK)), None
+    )
+
+
 def unavailable_reason() -> str | None:
     """Why an emulated cluster cannot run here, or None when it can.
 
-    Does not install anything: a missing sshd is reported, and
-    :func:`ensure_tools` can fix that one.
+    It installs nothing: a missing tool is reported with the apt-get
+    command that installs it.
     """
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "the emulated cluster needs root (network namespaces, veth links, tc)"
-    for tool in ("ip", "unshare", "nsenter", "ssh", "ssh-keygen"):
+    for tool in ("ip", "unshare", "nsenter"):
         if shutil.which(tool) is None:
             return f"the emulated cluster needs {tool!r} on PATH"
+    missing = [t for t in ("sshd", "ssh", "ssh-keygen") if _which(t) is None]
+    if missing:
+        return f"the emulated cluster needs {', '.join(missing)}; run: {install_hint(missing)}"
     probe = f"horaprobe{os.getpid()}"
     result = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
     if result.returncode != 0:
         return f"'ip netns add' does not work here: {result.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
-    if _find_sshd() is None:
-        return "sshd is not installed (apt-get install openssh-server)"
     return None
-
-
-def ensure_tools(install: bool = True) -> None:
-    """Make sure sshd (and rsync, optional) are present, installing them with apt-get if allowed.
-
-    Args:
-        install: try ``apt-get install openssh-server rsync`` when sshd is
-            missing (root and apt-get needed).
-
-    Raises:
-        ClusterUnavailable: sshd is missing and could not be installed.
-    """
-    if _find_sshd() is not None:
-        return
-    if not install or shutil.which("apt-get") is None or os.geteuid() != 0:
-        raise ClusterUnavailable("sshd is not installed; run: apt-get install -y openssh-server")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    packages = ["openssh-server", "openssh-client", "rsync"]
-    command = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
-    logger.warning("installing %s with apt-get for the emulated cluster", ", ".join(packages))
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    if result.returncode != 0:  # stale package lists: refresh once and retry
-        subprocess.run(["apt-get", "update"], capture_output=True, env=env, timeout=600)
-        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    if _find_sshd() is None:
-        tail = "\n".join(result.stderr.strip().splitlines()[-3:])
-        raise ClusterUnavailable(f"could not install openssh-server with apt-get: {tail}")
-
-
-def ensure_slurm(install: bool = True) -> None:
-    """Make sure Slurm's daemons and clients are present, installing Debian's slurm-wlm if allowed.
-
-    Raises:
-        ClusterUnavailable: Slurm is missing and could not be installed.
-    """
-    tools = ("slurmctld", "slurmd", "srun", "sinfo", "salloc", "scontrol")
-    if all(shutil.which(t) for t in tools):
-        return
-    if not install or shutil.which("apt-get") is None or os.geteuid() != 0:
-        raise ClusterUnavailable("Slurm is not installed; run: apt-get install -y slurm-wlm")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    command = ["apt-get", "install", "-y", "--no-install-recommends", "slurm-wlm"]
-    logger.warning("installing slurm-wlm with apt-get for the emulated cluster")
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
-    if result.returncode != 0:
-        subprocess.run(["apt-get", "update"], capture_output=True, env=env, timeout=600)
-        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
-    missing = [t for t in tools if not shutil.which(t)]
-    if missing:
-        tail = "\n".join(result.stderr.strip().splitlines()[-3:])
-        raise ClusterUnavailable(f"could not install slurm-wlm with apt-get ({', '.join(missing)} missing): {tail}")
 
 
 # --- the registry of running clusters and the stale sweep -------------------------
 
 
 def _process_alive(pid: int, started: float | None) -> bool:
-    try:
-        import psutil
+    """Whether ``pid`` is the process that registered a cluster (same start time, when one was recorded).
 
-        proc = psutil.Process(pid)
-        return started is None or abs(proc.create_time() - started) < 1.0
-    except Exception:  # psutil.NoSuchProcess, or psutil missing and the pid is gone
+    psutil is used when installed; without it the start time comes from
+    ``/proc/<pid>/stat``, in the same units (seconds since the epoch), so a
+    live owner is never taken for dead and a reused pid is.
+    """
+    if pid <= 0:
+        return False
+    now = _start_time(pid)
+    if now is None:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return False
         except PermissionError:
             return True
-        return started is None
+        return True  # alive, but its start time is unreadable: never sweep a cluster that may be in use
+    return started is None or abs(now - started) < 1.0
+
+
+def _start_time(pid: int) -> float | None:
+    """When ``pid`` started, in seconds since the epoch (psutil's ``create_time``), or None if gone/unknown."""
+    try:
+        import psutil
+    except ImportError:
+        return _proc_start_time(pid)
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return None
+    except psutil.Error:
+        return _proc_start_time(pid)
+
+
+def _proc_start_time(pid: int) -> float | None:
+    # Field 22 of /proc/<pid>/stat is the start in clock ticks after boot; the boot time is btime in
+    # /proc/stat.  psutil computes create_time() the same way, so records from either path compare.
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/stat", encoding="ascii") as f:
+            boot = next(float(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
 
 
 def _own_start_time() -> float | None:
-    try:
-        import psutil
-
-        return psutil.Process(os.getpid()).create_time()
-    except Exception:
-        return None
+    return _start_time(os.getpid())
 
 
 def _netns_list() -> list[str]:
@@ -300,7 +320,6 @@ class EmulatedCluster:
             ``"10gbit"``); None leaves links unshaped.
         latency: one-way delay added to every packet a host sends
             (``"0.1ms"``, ``"100us"``); None adds none.
-        install: install sshd with apt-get if it is missing.
 
     Raises:
         ClusterUnavailable: the machine cannot run it (see :func:`unavailable_reason`).
@@ -308,7 +327,7 @@ class EmulatedCluster:
     """
 
     def __init__(
-        self, n_hosts: int = 3, *, link: str | None = None, latency: str | None = None, install: bool = True
+        self, n_hosts: int = 3, *, link: str | None = None, latency: str | None = None
     ) -> None:
         from hora.errors import ConfigError
 
@@ -320,7 +339,6 @@ class EmulatedCluster:
         self.n_hosts = n_hosts
         self.link = link
         self.latency = latency
-        self.install = install
         self.hosts: list[Host] = []
         self.index: int | None = None
         self.state_dir: str | None = None
@@ -426,7 +444,7 @@ class EmulatedCluster:
         Raises:
             ClusterUnavailable: Slurm is not installed or its nodes did not come up.
         """
-        ensure_slurm(self.install)
+        require_tools(("slurmctld", "slurmd", "srun", "sinfo", "salloc", "scontrol"), "start_slurm()")
         directory = self._path("slurm")
         os.makedirs(os.path.join(directory, "state"), exist_ok=True)
         for host in self.hosts:
@@ -484,9 +502,6 @@ class EmulatedCluster:
             ClusterUnavailable: the machine cannot run it; nothing is left behind.
         """
         reason = unavailable_reason()
-        if reason is not None and "sshd" in reason:
-            ensure_tools(self.install)
-            reason = unavailable_reason()
         if reason is not None:
             raise ClusterUnavailable(reason)
         sweep_stale()
