@@ -216,6 +216,10 @@ SLURM_TASKS_PER_NODE = "SLURM_TASKS_PER_NODE"
 SLURM_JOB_ID = "SLURM_JOB_ID"
 SLURM_JOB_NODELIST = "SLURM_JOB_NODELIST"
 SLURM_NODELIST = "SLURM_NODELIST"
+#: What the grid engine (SGE) sets in a parallel job: the granted hosts and slots, the job id, the PE's name.
+PE_HOSTFILE = "PE_HOSTFILE"
+JOB_ID = "JOB_ID"
+PE = "PE"
 
 #: Where the per-rank wrapper under mpirun or srun finds its rank; Open MPI first, because
 #: mpirun inside a Slurm allocation inherits the batch step's ``SLURM_PROCID``.

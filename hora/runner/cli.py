@@ -59,8 +59,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                             help="MPI controller, processes started by mpirun (the default on one machine when "
                                  "mpirun and mpi4py are installed, as with horovodrun)")
     how.add_argument("--launcher", choices=AVAILABLE_LAUNCHERS,
-                     help="how processes start: local, ssh (other hosts), mpi (mpirun), slurm (srun); "
-                          "default: mpi with --mpi, ssh when -H names other hosts, slurm inside an allocation, "
+                     help="how processes start: local, ssh (other hosts), mpi (mpirun), slurm (srun), sge (qrsh "
+                          "-inherit in a grid-engine parallel job, or submit one with qsub); default: mpi with "
+                          "--mpi, ssh when -H names other hosts, slurm inside an allocation, sge inside a "
+                          "grid-engine parallel job, "
                           "else mpi when MPI is installed and neither --gloo nor -s is given, else local")
     how.add_argument("--mpi-args", dest="mpi_args", metavar="ARGS", help="extra arguments for mpirun, quoted")
     how.add_argument("--network-interface", dest="network_interface", metavar="IFACE",
@@ -84,6 +86,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="SECONDS", help="how long to try to reach a host (default 10)")
     remote.add_argument("--sync-dst-dir", "--sync-dir", dest="sync_dst_dir", metavar="DIR",
                         help="copy the working directory to DIR on every host first (rsync, else scp), run there")
+
+    grid = parser.add_argument_group("Sun / Son of Grid Engine (--launcher sge, submitting from outside a job)")
+    grid.add_argument("--sge-pe", dest="sge_pe", metavar="PE",
+                      help="parallel environment to submit to (qsub -pe; default hora); it needs control_slaves TRUE")
+    grid.add_argument("--sge-queue", dest="sge_queue", metavar="QUEUE", help="queue to submit to (qsub -q)")
 
     tune = parser.add_argument_group("engine tunables")
     tune.add_argument("--fusion-threshold-mb", dest="fusion_threshold_mb", type=float, metavar="MB",
@@ -182,6 +189,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         ssh_config_file=args.ssh_config_file,
         ssh_connect_timeout=args.ssh_connect_timeout,
         sync_dst_dir=args.sync_dst_dir,
+        sge_queue=args.sge_queue,
+        sge_pe=args.sge_pe,
         **_elastic_fields(args),
     )
 

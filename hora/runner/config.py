@@ -23,8 +23,8 @@ from hora import envvars
 from hora.errors import ConfigError
 
 #: The launchers: ``local`` (children of hora run), ``ssh`` (other hosts over ssh),
-#: ``mpi`` (mpirun) and ``slurm`` (srun inside an allocation).
-AVAILABLE_LAUNCHERS = ("local", "ssh", "mpi", "slurm")
+#: ``mpi`` (mpirun), ``slurm`` (srun inside an allocation) and ``sge`` (qrsh -inherit in a grid-engine job).
+AVAILABLE_LAUNCHERS = ("local", "ssh", "mpi", "slurm", "sge")
 CONTROLLERS = ("gloo", "mpi")
 _HOST_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
@@ -206,7 +206,8 @@ def detect_launcher(
 
     ``--mpi`` means mpirun; a host that is not this machine means ssh;
     inside a Slurm allocation (``SLURM_JOB_ID`` set, ``srun`` on PATH) with
-    no host list, srun.  Otherwise the job runs on this machine: under
+    no host list, srun; inside a grid-engine parallel job (``PE_HOSTFILE``
+    and ``JOB_ID`` set, ``qrsh`` on PATH) with no host list, sge.  Otherwise the job runs on this machine: under
     mpirun when neither ``--gloo`` nor parameter servers were asked for and
     MPI is installed (``mpi``, probed with :func:`mpi_launch_available` when
     None), as horovodrun does when Horovod was built with MPI; else with
@@ -219,6 +220,9 @@ def detect_launcher(
         return "ssh"
     if hosts is None and environ.get(envvars.SLURM_JOB_ID) and shutil.which("srun", path=environ.get("PATH")):
         return "slurm"
+    if (hosts is None and environ.get(envvars.PE_HOSTFILE) and environ.get(envvars.JOB_ID)
+            and shutil.which("qrsh", path=environ.get("PATH"))):
+        return "sge"
     if controller is None and servers == 0 and (mpi_launch_available(environ) if mpi is None else mpi):
         return "mpi"
     return "local"
@@ -236,7 +240,7 @@ class LaunchConfig:
         controller: ``"gloo"`` or ``"mpi"``; ``None`` picks ``mpi`` for the mpi
             launcher (the default on one machine with MPI installed, see
             :func:`detect_launcher`) and ``gloo`` otherwise.
-        launcher: ``"local"``, ``"ssh"``, ``"mpi"`` or ``"slurm"``; ``None``
+        launcher: ``"local"``, ``"ssh"``, ``"mpi"``, ``"slurm"`` or ``"sge"``; ``None``
             chooses with :func:`detect_launcher`.
         num_servers: parameter servers (MXNet's ``-s``); ``-1`` means as many
             as workers.  With servers, one scheduler runs too.
@@ -267,6 +271,10 @@ class LaunchConfig:
         ssh_connect_timeout: seconds to reach a host before it counts as unreachable.
         sync_dst_dir: copy the working directory to this absolute path on
             every host first, and run there (ssh launcher).
+        sge_queue: sge launcher, submitting from outside a job: the queue
+            (``qsub -q``, ``--sge-queue``); None lets the grid engine choose.
+        sge_pe: sge launcher, submitting: the parallel environment
+            (``qsub -pe``, ``--sge-pe``); None means ``hora``.
         min_np: elastic: fewest workers to train with (``--min-np``); any
             elastic flag makes the job elastic (:mod:`hora.runner.elastic`).
         max_np: elastic: most workers (``--max-np``); None: every free slot.
@@ -302,6 +310,8 @@ class LaunchConfig:
     ssh_config_file: str | None = None
     ssh_connect_timeout: float = 10.0
     sync_dst_dir: str | None = None
+    sge_queue: str | None = None
+    sge_pe: str | None = None
     min_np: int | None = None
     max_np: int | None = None
     slots_per_host: int | None = None
@@ -400,6 +410,11 @@ class LaunchConfig:
                 )
         if self.launcher == "slurm" and self.hosts is not None:
             raise ConfigError("--launcher slurm takes its hosts from the Slurm allocation; drop -H/--hostfile")
+        if self.launcher == "sge" and (self.hosts is not None or self.server_hosts):
+            raise ConfigError("--launcher sge takes its hosts from the grid engine's $PE_HOSTFILE; drop "
+                              "-H/--hostfile/--server-hosts")
+        if (self.sge_queue or self.sge_pe) and self.launcher != "sge":
+            raise ConfigError("--sge-queue and --sge-pe apply to --launcher sge only")
         if isinstance(self.num_servers, bool) or not isinstance(self.num_servers, int) or self.num_servers < -1:
             raise ConfigError(f"-s {self.num_servers} must be >= 0 (or -s alone for as many servers as workers)")
         if self.num_servers == -1:
@@ -426,6 +441,9 @@ class LaunchConfig:
     def _check_elastic(self) -> None:
         if not self.elastic:
             return
+        if self.launcher == "sge":
+            raise ConfigError("elastic training (--min-np/--max-np/--host-discovery-script) needs the ssh or local "
+                              "launcher: a grid-engine job's hosts are fixed when it starts")
         if self.controller == "mpi" or self.launcher in ("mpi", "slurm"):
             raise ConfigError(
                 "elastic training (--min-np/--max-np/--host-discovery-script) runs on gloo, because MPI's world "

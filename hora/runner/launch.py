@@ -70,12 +70,20 @@ def run_job(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextI
             result = run_elastic(config, stdout, stderr, interrupt)
         report(result, stderr)
         return result
+    if config.launcher == "sge":
+        from hora.runner.launchers import sge
+
+        if not sge.inside_job():  # submit one parallel job that runs this hora run inside
+            with _route_signals() as interrupt:
+                result = sge.submit(config, stdout, stderr, interrupt)
+            report(result, stderr)
+            return result
     launcher = get_launcher(str(config.launcher))
     slots = plan_slots(config)
     try:
         endpoints = launcher.prepare(config, slots)
         env, notice = build_env(config, local_size=workers_per_host(slots), endpoints=endpoints)
-        if config.launcher != "ssh":  # the ssh launcher's agents check on each host
+        if config.launcher not in ("ssh", "sge"):  # their agents check on each host
             check_command(config.command, env)
         if notice:
             print(notice, file=stderr, flush=True)

@@ -57,6 +57,10 @@ def plan_slots(config: LaunchConfig) -> list[Slot]:
         from hora.runner.launchers.slurm import allocation_hosts
 
         hosts = allocation_hosts(config.num_proc)
+    elif config.launcher == "sge":
+        from hora.runner.launchers.sge_hosts import job_hosts, plan_job_slots
+
+        return plan_job_slots(config, job_hosts())
     else:
         hosts = merged_hosts(config)
     workers = assign_ranks(hosts, config.num_proc)

@@ -495,6 +495,170 @@ class EmulatedCluster:
                 proc.kill()
                 proc.wait(timeout=5)
 
+    def start_sge(self, slots_per_host: int = 2, timeout: float = 60.0) -> dict[str, str]:
+        """Run Son of Grid Engine on the hosts: sge_qmaster on h1, sge_execd on every host.
+
+        The grid engine gets a private ``SGE_ROOT`` and cell under the
+        cluster's state directory (classic spooling, no system files touched)
+        with one queue ``all.q`` of ``slots_per_host`` slots on every host and
+        a parallel environment ``hora`` (``control_slaves TRUE``, so ``qrsh
+        -inherit`` works: tight integration).  Root may run jobs (``min_uid 0``),
+        the scheduler runs every second, jobs start without a login shell
+        (``login_shells none``), no load threshold puts a busy machine's
+        queues in alarm, and each host has its own ``tmpdir`` (the hosts
+        share ``/tmp``).  The daemons stop with the cluster.
+
+        Args:
+            slots_per_host: slots each host's queue instance offers.
+            timeout: seconds the qmaster and every execd may take to come up.
+
+        Returns:
+            The environment to run grid-engine commands with (``SGE_ROOT``,
+            ``SGE_CELL``, ports), e.g. ``cluster.run("h1", ["qsub", ...], env=env)``.
+
+        Raises:
+            ClusterUnavailable: the grid engine is not installed or did not come up.
+        """
+        require_tools(("sge_qmaster", "sge_execd", "qsub", "qconf", "qrsh", "qstat"), "start_sge()")
+        env = self._sge_env = self._write_sge_cell(slots_per_host)
+        quiet = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL,
+                 "start_new_session": True, "env": dict(env, SGE_ND="1")}  # SGE_ND: stay in the foreground
+        self._daemons.append(self.popen("h1", [_which("sge_qmaster") or "sge_qmaster"], **quiet))
+        deadline = time.monotonic() + timeout
+        while self.run("h1", ["qstat", "-f"], env=env, timeout=30).returncode != 0:
+            if time.monotonic() > deadline or self._daemons[-1].poll() is not None:
+                raise ClusterUnavailable(f"sge_qmaster did not come up in {timeout} s: {self._sge_log('qmaster')}")
+            time.sleep(0.3)
+        self._configure_sge(env)
+        for host in self.hosts:
+            self._daemons.append(self.popen(host.name, [_which("sge_execd") or "sge_execd"], **quiet))
+        expected = self.n_hosts * slots_per_host
+        while True:
+            result = self.run("h1", ["qstat", "-g", "c"], env=env, timeout=30)
+            available = _sge_available(result.stdout, "all.q")
+            if available == expected:
+                return env
+            if time.monotonic() > deadline:
+                raise ClusterUnavailable(
+                    f"the grid engine's execds did not come up in {timeout} s ({available} of {expected} slots "
+                    f"available): {result.stdout.strip()} {self._sge_log('execd')}"
+                )
+            time.sleep(0.3)
+
+    def _write_sge_cell(self, slots_per_host: int) -> dict[str, str]:
+        root = self._path("sge")
+        common = os.path.join(root, "default", "common")
+        spool = os.path.join(root, "default", "spool")
+        templates = os.path.join(root, "templates")
+        for directory in (common, os.path.join(spool, "qmaster"), templates):
+            os.makedirs(directory, exist_ok=True)
+        system_root = "/var/lib/gridengine"  # Debian's: binaries, libraries and utilities, shared read-only
+        for name in ("bin", "lib", "utilbin", "util"):
+            with contextlib.suppress(FileExistsError):
+                os.symlink(os.path.join(system_root, name), os.path.join(root, name))
+        names = [h.name for h in self.hosts]
+
+        def write(path: str, lines: Sequence[str]) -> None:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write("\n".join(lines) + "\n")
+
+        qmaster_spool = os.path.join(spool, "qmaster")
+        write(os.path.join(common, "bootstrap"), [
+            "admin_user none", "default_domain none", "ignore_fqdn true", "spooling_method classic",
+            "spooling_lib libspoolc", f"spooling_params {common};{qmaster_spool}",
+            "binary_path /usr/lib/gridengine", f"qmaster_spool_dir {qmaster_spool}", "security_mode none",
+            "listener_threads 2", "worker_threads 2", "scheduler_threads 1", "jvm_threads 0",
+        ])
+        write(os.path.join(common, "act_qmaster"), ["h1"])
+        write(os.path.join(common, "cluster_name"), [f"hora{self.index}"])
+        # Each host's name is its canonical name: without this, a name that also resolves to a
+        # loopback address (127.0.0.1 is "localhost" first) can be taken for "localhost".
+        write(os.path.join(common, "host_aliases"), [f"{n} {n}.hora{self.index}" for n in names])
+        with open("/usr/share/gridengine/default-configuration", encoding="utf-8") as f:
+            configuration = dict(line.split(None, 1) for line in f.read().splitlines()
+                                 if line.strip() and not line.startswith("#"))
+        configuration.update({
+            "execd_spool_dir": spool, "mailer": "/bin/true", "min_uid": "0", "min_gid": "0",
+            "login_shells": "none", "load_report_time": "00:00:05", "max_unheard": "00:01:00",
+            "reporting_params": "accounting=false reporting=false flush_time=00:00:15 joblog=false "
+                                "sharelog=00:00:00",
+            "execd_params": "KEEP_ACTIVE=false",
+        })
+        write(os.path.join(templates, "configuration"), [f"{k} {v.strip()}" for k, v in configuration.items()])
+        with open("/usr/share/gridengine/util/install_modules/inst_schedd_normal.conf", encoding="utf-8") as f:
+            scheduler = dict(line.split(None, 1) for line in f.read().splitlines() if line.strip())
+        # A job is scheduled within a second of its submission, whatever the load.
+        scheduler.update(schedule_interval="0:0:1", job_load_adjustments="NONE",
+                         load_adjustment_decay_time="0:0:0", flush_submit_sec="1", flush_finish_sec="1")
+        write(os.path.join(templates, "sched_configuration"), [f"{k} {v.strip()}" for k, v in scheduler.items()])
+        for kind in ("adminhosts", "submithosts"):
+            for name in names:
+                write(os.path.join(templates, kind, name), [f"hostname {name}"])
+        for name in names:
+            write(os.path.join(templates, "exechosts", name), [
+                f"hostname {name}", "load_scaling NONE", "complex_values NONE", "user_lists NONE",
+                "xuser_lists NONE", "projects NONE", "xprojects NONE", "usage_scaling NONE",
+                "report_variables NONE",
+            ])
+        write(os.path.join(templates, "pes", "hora"), [
+            "pe_name hora", "slots 9999", "user_lists NONE", "xuser_lists NONE", "start_proc_args NONE",
+            "stop_proc_args NONE", "allocation_rule $fill_up", "control_slaves TRUE", "job_is_first_task FALSE",
+            "urgency_slots min", "accounting_summary FALSE", "qsort_args NONE",
+        ])
+        tmpdirs = ",".join(f"[{n}={os.path.join(spool, 'tmp-' + n)}]" for n in names)
+        for name in names:
+            os.makedirs(os.path.join(spool, "tmp-" + name), exist_ok=True)
+        queue = {
+            "qname": "all.q", "hostlist": " ".join(names), "seq_no": "0", "load_thresholds": "NONE",
+            "suspend_thresholds": "NONE", "nsuspend": "1", "suspend_interval": "00:05:00", "priority": "0",
+            "min_cpu_interval": "00:05:00", "processors": "UNDEFINED", "qtype": "BATCH INTERACTIVE",
+            "ckpt_list": "NONE", "pe_list": "hora", "rerun": "FALSE", "slots": str(slots_per_host),
+            "tmpdir": f"/tmp,{tmpdirs}", "shell": "/bin/sh", "prolog": "NONE", "epilog": "NONE",
+            "shell_start_mode": "unix_behavior", "starter_method": "NONE", "suspend_method": "NONE",
+            "resume_method": "NONE", "terminate_method": "NONE", "notify": "00:00:60", "owner_list": "NONE",
+            "user_lists": "NONE", "xuser_lists": "NONE", "subordinate_list": "NONE", "complex_values": "NONE",
+            "projects": "NONE", "xprojects": "NONE", "calendar": "NONE", "initial_state": "default",
+        }
+        for limit in ("rt", "cpu", "fsize", "data", "stack", "core", "rss", "vmem"):
+            queue[f"s_{limit}"] = queue[f"h_{limit}"] = "INFINITY"
+        write(os.path.join(templates, "cqueues", "all.q"), [f"{k} {v}" for k, v in queue.items()])
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SGE_", "JOB_", "PE_"))}
+        env.update(SGE_ROOT=root, SGE_CELL="default", SGE_QMASTER_PORT="6444", SGE_EXECD_PORT="6445")
+        spooldefaults = "/usr/lib/gridengine/spooldefaults"
+        _run(["/usr/lib/gridengine/spoolinit", "classic", "libspoolc", f"{common};{qmaster_spool}", "init"], env=env)
+        _run([spooldefaults, "configuration", os.path.join(templates, "configuration")], env=env)
+        for kind, source in (("complexes", "/usr/share/gridengine/util/resources/centry"),
+                             ("usersets", "/usr/share/gridengine/util/resources/usersets")):
+            _run([spooldefaults, kind, source], env=env)
+        _run([spooldefaults, "managers", "root"], env=env)
+        for kind in ("adminhosts", "submithosts"):
+            _run([spooldefaults, kind, os.path.join(templates, kind)], env=env)
+        return env
+
+    def _configure_sge(self, env: Mapping[str, str]) -> None:
+        # What the qmaster must create itself (queue instances, the scheduler's settings) goes through qconf.
+        templates = self._path("sge", "templates")
+        commands = [["-Msconf", os.path.join(templates, "sched_configuration")]]
+        commands += [["-Ae", os.path.join(templates, "exechosts", h.name)] for h in self.hosts]
+        commands += [["-Ap", os.path.join(templates, "pes", "hora")],
+                     ["-Aq", os.path.join(templates, "cqueues", "all.q")]]
+        for arguments in commands:
+            result = self.run("h1", ["qconf", *arguments], env=env, timeout=30)
+            if result.returncode != 0:
+                said = (result.stderr or result.stdout).strip()
+                raise ClusterUnavailable(f"qconf {' '.join(arguments)} failed: {said}")
+
+    def _sge_log(self, which: str) -> str:
+        root = self._path("sge", "default", "spool")
+        paths = [os.path.join(root, "qmaster", "messages")] if which == "qmaster" else [
+            os.path.join(root, h.name, "messages") for h in self.hosts]
+        tails = []
+        for path in paths:
+            with contextlib.suppress(OSError), open(path, encoding="utf-8", errors="replace") as f:
+                tails.append(f"{path}: " + " / ".join(f.read().strip().splitlines()[-3:]))
+        return "; ".join(tails) or "no log"
+
     def start(self) -> EmulatedCluster:
         """Create the hosts and start their sshd; returns ``self``.
 
@@ -526,7 +690,7 @@ class EmulatedCluster:
                 self._closed = True
                 return
             self._closed = True
-        self.stop_slurm()
+        self.stop_slurm()  # every daemon: Slurm's and the grid engine's
         for proc in self._sshd.values():
             with contextlib.suppress(ProcessLookupError):
                 proc.terminate()
@@ -697,6 +861,15 @@ class EmulatedCluster:
             _run([*outward, "replace", "dev", INTERFACE, "root", *_tbf(self.link)])  # type: ignore[arg-type]
         if self.link is not None:
             _run([*inward, "replace", "dev", veth, "root", *_tbf(self.link)])
+
+
+def _sge_available(qstat_gc: str, queue: str) -> int:
+    """The AVAIL column of ``qstat -g c`` for ``queue`` (0 when it is not listed)."""
+    for line in qstat_gc.splitlines():
+        fields = line.split()
+        if fields and fields[0] == queue and len(fields) >= 5 and fields[4].isdigit():
+            return int(fields[4])
+    return 0
 
 
 def latency_supported() -> bool:

@@ -157,6 +157,37 @@ def test_ssh_workers_on_two_hosts_get_their_cross_rank_through_the_agent(clean_e
     assert sorted(seen) == [(0, 4, 0, 2, 0, 2), (1, 4, 1, 2, 0, 2), (2, 4, 0, 2, 1, 2), (3, 4, 1, 2, 1, 2)]
 
 
+def test_sge_workers_get_the_whole_job_environment_through_the_agent_and_keep_their_hosts_own(clean_environ,
+                                                                                             tmp_path):
+    from hora.runner.launchers.sge import HOST_SPECIFIC, SgeLauncher, parse_pe_hostfile, plan_job_slots
+
+    hosts = parse_pe_hostfile("node-b.test 2 all.q@node-b.test UNDEFINED\nnode-a.test 2 all.q@node-a.test UNDEFINED\n")
+    config = LaunchConfig(command=command(), num_proc=3, launcher="sge", num_servers=1)
+    env = job_env(config, local_size=2)
+    env.update(TMPDIR="/tmp/7.1.all.q", JOB_ID="7", MY_SETTING="a,b")  # the job script's own environment
+    slots = plan_job_slots(config, hosts)
+    addrs = {"node-b.test": "10.0.0.2", "node-a.test": "10.0.0.1"}
+    seen = []
+    for host in addrs:
+        given = {k: v for k, v in env.items() if k not in HOST_SPECIFIC}  # what SgeLauncher.run sends
+        common = host_env(given, config, local=SgeLauncher.forward_all, node_host=addrs[host])
+        assert common["MY_SETTING"] == "a,b" and "TMPDIR" not in common
+        mine = [s for s in slots if s.host == host]
+        spec = {"cwd": str(tmp_path), "env": common,
+                "processes": [{"key": str(s.key), "argv": command(), "env": s.env()} for s in mine]}
+        for slot, (_, _, process_env, _) in zip(mine, agent.Agent().prepare(spec), strict=True):
+            worker = Worker(process_env)
+            assert worker.ps.node_host == addrs[host] and worker.ps.role == slot.role
+            assert (worker.ps.num_servers, worker.ps.num_workers) == (1, 3)
+            if slot.role == WORKER:
+                assert set(envvars.WORKER_ENV) <= set(process_env)
+                assert worker.placement() == placement(slot)
+                assert worker.topology.hostname == host
+                seen.append(worker.placement())
+            worker.assert_reads_every_hora_variable()
+    assert sorted(seen) == [(0, 3, 0, 2, 0, 2), (1, 3, 1, 2, 0, 2), (2, 3, 0, 1, 1, 2)]
+
+
 def _exported(argv: list[str], flavour: str) -> list[str]:
     if flavour == "mpich":
         return argv[argv.index("-genvlist") + 1].split(",")

@@ -3,7 +3,8 @@
 A launcher implements :class:`hora.runner.launchers.base.Launcher`.  The
 ``local`` one runs every process as a child of ``hora run``; ``ssh`` reaches
 other hosts over ssh (and runs this machine's share locally); ``mpi`` hands
-the job to mpirun; ``slurm`` starts the ranks with srun inside an allocation.
+the job to mpirun; ``slurm`` starts the ranks with srun inside an allocation;
+``sge`` starts them with ``qrsh -inherit`` inside a grid-engine parallel job.
 """
 
 from __future__ import annotations
@@ -34,4 +35,8 @@ def get_launcher(name: str) -> Launcher:
         from hora.runner.launchers.slurm import SlurmLauncher
 
         return SlurmLauncher()
+    if name == "sge":
+        from hora.runner.launchers.sge import SgeLauncher
+
+        return SgeLauncher()
     raise LaunchError(f"unknown launcher {name!r}")

@@ -74,9 +74,10 @@ def host_env(
 class _Agent:
     """The launcher's end of one host's agent."""
 
-    def __init__(self, host: str, local: bool, command: list[str], events: queue.Queue) -> None:
+    def __init__(self, host: str, local: bool, command: list[str], events: queue.Queue, via: str = "ssh") -> None:
         self.host = host
         self.local = local
+        self.via = via
         self.events = events
         self.hello: dict[str, Any] | None = None
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
@@ -155,7 +156,7 @@ class _Agent:
         code = self.proc.poll()
         lines = [line for line in self.stderr_tail if line.strip()]
         said = " / ".join(lines[-3:]) if lines else "no error message"
-        what = "the local agent" if self.local else "ssh"
+        what = "the local agent" if self.local else self.via
         return f"{what} exited with code {code}: {said}" if code is not None else said
 
 
@@ -171,6 +172,9 @@ class SshLauncher:
     """Starts each host's processes through an agent reached over ssh (see the module docstring)."""
 
     name = "ssh"
+    #: Whether remote agents get the whole job environment, not only :func:`forwarded_names` (a launcher
+    #: whose remote processes start without the user's login environment sets it).
+    forward_all = False
 
     def __init__(self) -> None:
         self.events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
@@ -224,7 +228,7 @@ class SshLauncher:
         if failed:
             lines = [f"host {host} {why}" for host, why in failed.items()]
             first = next(iter(failed))
-            if not self.agents[first].local:
+            if not self.agents[first].local and self.agents[first].via == "ssh":
                 lines.append(f"check with: {shlex.join(['ssh', *self.ssh.head(), first, 'true'])}")
             raise LaunchError("; ".join(lines))
 
@@ -271,7 +275,7 @@ class SshLauncher:
     ) -> JobResult:
         """Have every agent check its share, start them all, and supervise until all have ended."""
         for host, agent in self.agents.items():
-            common = host_env(env, config, local=agent.local, node_host=self.host_addrs.get(host))
+            common = host_env(env, config, local=agent.local or self.forward_all, node_host=self.host_addrs.get(host))
             processes = [
                 {"key": str(s.key), "argv": slot_command(config, s), "env": s.env()} for s in slots if s.host == host
             ]
