@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hora.errors import LaunchError
-from hora.runner.config import LaunchConfig
+from hora.runner.launch_config import LaunchConfig
 
 #: The agent's source, sent with ``python3 -c`` (see :mod:`hora.runner.agent`).
 AGENT_SOURCE = (Path(__file__).parent / "agent.py").read_text(encoding="utf-8")

@@ -221,3 +221,40 @@ def _ready(job: subprocess.Popen, n: int, timeout: float = 120) -> dict[int, tup
     finally:
         timer.cancel()
     raise AssertionError(f"only {len(ready)} of {n} ranks got ready within {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def pe_without_control(cluster, sge, tmp_path_factory):
+    """A parallel environment ``loose`` with ``control_slaves FALSE``, on all.q."""
+    template = tmp_path_factory.mktemp("pe") / "loose"
+    run = cluster.run("h1", ["qconf", "-sp", "hora"], env=job_env(sge), timeout=30)
+    template.write_text(run.stdout.replace("pe_name            hora", "pe_name loose").replace(
+        "control_slaves     TRUE", "control_slaves FALSE"))
+    for command in (["qconf", "-Ap", str(template)], ["qconf", "-aattr", "queue", "pe_list", "loose", "all.q"]):
+        result = cluster.run("h1", command, env=job_env(sge), timeout=30)
+        assert result.returncode == 0, result.stderr
+    return "loose"
+
+
+@pytest.mark.timeout(240)
+def test_errors_name_the_fix(cluster, sge, pe_without_control, tmp_path):
+    env = job_env(sge)
+    # submitting to a PE whose control_slaves is FALSE: refused before anything is queued
+    result = cluster.run("h1", hora_run("--launcher", "sge", "--sge-pe", "loose", "-np", "2", PY, "-c", "pass"),
+                         env=env, cwd=str(REPO), timeout=60)
+    assert result.returncode != 0
+    assert "'loose' has control_slaves FALSE" in result.stderr and "qconf -mp loose" in result.stderr, result.stderr
+    # inside such a job, qrsh -inherit is refused: the error says why
+    code, _, err = qsub_job(cluster, sge, tmp_path, 2, *hora_run("-np", "2", PY, "-c", "pass"), timeout=120)
+    assert code == 0 and "error" not in err.lower(), err  # (the same job in the right PE works)
+    out, err_file = tmp_path / "loose.out", tmp_path / "loose.err"
+    result = cluster.run("h1", ["qsub", "-sync", "y", "-V", "-cwd", "-b", "y", "-pe", "loose", "2", "-o", str(out),
+                                "-e", str(err_file), *hora_run("-np", "2", PY, "-c", "pass")],
+                         env=env, cwd=str(REPO), timeout=120)
+    said = err_file.read_text()
+    assert result.returncode != 0
+    assert "cannot be reached: qrsh -inherit exited" in said and "'loose' has control_slaves FALSE" in said, said
+    # fewer slots granted than -np asks for
+    code, _, err = qsub_job(cluster, sge, tmp_path, 2, *hora_run("-np", "3", PY, "-c", "pass"), timeout=120)
+    assert code != 0
+    assert "granted this job 2 slots, but -np 3 need 3: submit with 'qsub -pe hora 3'" in err, err

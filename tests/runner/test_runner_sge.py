@@ -10,9 +10,12 @@ import pytest
 
 from hora import envvars
 from hora.errors import ConfigError, LaunchError
-from hora.runner.config import HostSlots, LaunchConfig, detect_launcher
+from hora.placement import HostSlots
 from hora.runner.keys import SCHEDULER, SERVER
+from hora.runner.launch_config import LaunchConfig
 from hora.runner.launchers import sge
+from hora.runner.launchers.registry import detect_launcher
+from hora.runner.plan import plan_slots
 
 REPO = Path(__file__).resolve().parents[2]
 PE_HOSTFILE = """\
@@ -38,20 +41,28 @@ def test_a_malformed_or_empty_pe_hostfile_is_named(text):
         sge.parse_pe_hostfile(text)
 
 
-def test_workers_fill_the_granted_slots_and_servers_take_slots_of_their_own():
-    hosts = sge.parse_pe_hostfile(PE_HOSTFILE)
-    slots = sge.plan_job_slots(config(3, servers=1), hosts)
+@pytest.fixture
+def in_job(monkeypatch, tmp_path):
+    """This process inside a parallel job whose $PE_HOSTFILE is :data:`PE_HOSTFILE`."""
+    path = tmp_path / "pe_hostfile"
+    path.write_text(PE_HOSTFILE)
+    monkeypatch.setenv(envvars.PE_HOSTFILE, str(path))
+    monkeypatch.setenv(envvars.JOB_ID, "42")
+    monkeypatch.setenv(envvars.PE, "hora-pe")
+
+
+def test_workers_fill_the_granted_slots_and_servers_take_slots_of_their_own(in_job):
+    slots = plan_slots(config(3, servers=1))
     workers = [(s.rank, s.host, s.local_rank, s.local_size, s.cross_rank) for s in slots if s.role == "worker"]
     assert workers == [(0, "node-b.example", 0, 3, 0), (1, "node-b.example", 1, 3, 0), (2, "node-b.example", 2, 3, 0)]
     assert [(s.role, s.host) for s in slots if s.role != "worker"] == [
         (SCHEDULER, "node-b.example"), (SERVER, "node-a.example")]
 
 
-def test_fewer_granted_slots_than_workers_and_servers_names_the_qsub_request():
-    hosts = sge.parse_pe_hostfile(PE_HOSTFILE)
+def test_fewer_granted_slots_than_workers_and_servers_names_the_qsub_request(in_job):
     with pytest.raises(LaunchError, match=r"granted this job 4 slots, but -np 4 and 1 servers need 5: "
-                                          r"submit with 'qsub -pe \S+ 5'"):
-        sge.plan_job_slots(config(4, servers=1), hosts)
+                                          r"submit with 'qsub -pe hora-pe 5'"):
+        plan_slots(config(4, servers=1))
 
 
 def test_the_agents_command_survives_the_remote_shell_unchanged():
@@ -95,6 +106,10 @@ def test_configurations_sge_cannot_serve_are_refused():
         config(2, hosts="h1:2")
     with pytest.raises(ConfigError, match="hosts are fixed"):
         config(2, min_np=1)
+    with pytest.raises(ConfigError, match="granted slots .* drop --server-hosts"):
+        config(2, servers=1, server_hosts="h3")
+    with pytest.raises(ConfigError, match="--mpi needs"):
+        config(2, controller="mpi")
     with pytest.raises(ConfigError, match="--launcher sge only"):
         LaunchConfig(command=["python"], num_proc=1, launcher="local", sge_pe="hora")
 

@@ -20,13 +20,12 @@ From outside a job, ``hora run --launcher sge -np N [--sge-pe PE]
 [--sge-queue Q] cmd`` submits one parallel job with ``qsub -sync y`` that
 runs the same ``hora run`` inside, prints its job id, streams its
 rank-prefixed output and exits with the job's status (see :func:`submit`).
-The hosts and the placement on them are in
-:mod:`hora.runner.launchers.sge_hosts`.
 """
 
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import dataclasses
 import json
@@ -46,17 +45,18 @@ from collections.abc import Mapping, Sequence
 from typing import TextIO
 
 from hora import envvars
-from hora.errors import LaunchError
-from hora.runner.config import LaunchConfig
-from hora.runner.env import Endpoints, interface_names
-from hora.runner.launchers.base import Interrupt, JobResult, Slot, exit_status
-from hora.runner.launchers.sge_hosts import (
-    DEFAULT_PE,
-    find_tool,
-    inside_job,
-    job_hosts,
-    parse_pe_hostfile,
-    plan_job_slots,
+from hora.config import interface_names
+from hora.errors import ConfigError, LaunchError
+from hora.placement import HostSlots
+from hora.runner.launch_config import LaunchConfig
+from hora.runner.launchers.base import Endpoints, Interrupt, JobResult, Slot, exit_status
+from hora.runner.launchers.registry import (
+    MPI_ARGS_NEED_MPIRUN,
+    MPI_NEEDS_MPIRUN,
+    SYNC_NEEDS_SSH,
+    Capabilities,
+    ConfigView,
+    Request,
 )
 from hora.runner.launchers.ssh import SshLauncher, _Agent
 from hora.runner.output import OutputSink, write_bytes
@@ -90,10 +90,102 @@ if _o.getppid() != _p:
 """
 
 
+#: The parallel environment ``hora run --launcher sge`` submits to when ``--sge-pe`` is not given.
+DEFAULT_PE = "hora"
 _FUTURE = "from __future__ import annotations\n"
 #: The agent's source with :data:`_DETACH` run first (after its ``__future__`` import, which must lead).
 _DETACHED_AGENT = AGENT_SOURCE.replace(_FUTURE, _FUTURE + _DETACH, 1) if _FUTURE in AGENT_SOURCE else (
     _DETACH + AGENT_SOURCE)
+
+
+def inside_job(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process runs inside a grid-engine parallel job (``PE_HOSTFILE`` and ``JOB_ID`` set)."""
+    environ = os.environ if environ is None else environ
+    return bool(environ.get(envvars.PE_HOSTFILE) and environ.get(envvars.JOB_ID))
+
+
+def find_tool(name: str, environ: Mapping[str, str] | None = None) -> str:
+    """The grid engine's ``name`` (qsub, qrsh, qconf) on PATH.
+
+    Raises:
+        LaunchError: it is not there; the message says how to get it.
+    """
+    environ = os.environ if environ is None else environ
+    found = shutil.which(name, path=environ.get("PATH"))
+    if found is None:
+        raise LaunchError(
+            f"--launcher sge needs the grid engine's {name} on PATH, and it is not there: load the grid "
+            "engine's settings (. $SGE_ROOT/$SGE_CELL/common/settings.sh) or install its client "
+            "(Debian: apt-get install gridengine-client)"
+        )
+    return found
+
+
+def parse_pe_hostfile(text: str, where: str = "$PE_HOSTFILE") -> list[HostSlots]:
+    """The hosts of a ``$PE_HOSTFILE`` with their granted slots, in the file's order.
+
+    Each line is ``host slots queue processors``; a host listed more than
+    once (slots from several queues) gets the sum of its slots.
+
+    Raises:
+        LaunchError: a line is malformed, or the file lists no slots.
+    """
+    slots: dict[str, int] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        fields = line.split()
+        if not fields:
+            continue
+        if len(fields) < 2 or not fields[1].isdigit():
+            raise LaunchError(f"{where}:{number}: cannot read {line!r} (expected 'host slots queue processors')")
+        slots[fields[0]] = slots.get(fields[0], 0) + int(fields[1])
+    hosts = [HostSlots(host, count) for host, count in slots.items() if count > 0]
+    if not hosts:
+        raise LaunchError(f"{where} grants no slots")
+    return hosts
+
+
+def job_hosts(environ: Mapping[str, str] | None = None) -> list[HostSlots]:
+    """The hosts and slots the grid engine granted this job (``$PE_HOSTFILE``).
+
+    Raises:
+        LaunchError: not inside a parallel job, or the file cannot be read.
+    """
+    environ = os.environ if environ is None else environ
+    path = environ.get(envvars.PE_HOSTFILE)
+    if not path or not environ.get(envvars.JOB_ID):
+        raise LaunchError(
+            "--launcher sge found no parallel job here (PE_HOSTFILE and JOB_ID are not set): run hora run inside "
+            f"'qsub -pe PE N', or let it submit one (hora run --launcher sge --sge-pe {DEFAULT_PE} -np N ...)"
+        )
+    try:
+        with open(path, encoding="utf-8") as f:
+            return parse_pe_hostfile(f.read(), path)
+    except OSError as e:
+        raise LaunchError(f"cannot read the job's PE_HOSTFILE {path!r}: {e.strerror}") from e
+
+
+def check_slots(config: LaunchConfig, hosts: Sequence[HostSlots], pe: str | None = None) -> None:
+    """Refuse a job that needs more slots than the grid engine granted (each server is a task of its own).
+
+    Raises:
+        LaunchError: fewer granted slots than workers plus servers; the
+            message names the ``qsub -pe`` request that fits.
+    """
+    granted = sum(h.slots for h in hosts)
+    needed = config.num_proc + config.num_servers
+    if granted < needed:
+        servers = f" and {config.num_servers} servers" if config.num_servers else ""
+        raise LaunchError(
+            f"the grid engine granted this job {granted} slots, but -np {config.num_proc}{servers} need "
+            f"{needed}: submit with 'qsub -pe {pe or DEFAULT_PE} {needed}' (or lower -np)"
+        )
+
+
+def free_slots(hosts: Sequence[HostSlots], workers: Sequence[Slot], count: int) -> list[str]:
+    """The hosts of the first ``count`` granted slots that no worker takes, in ``$PE_HOSTFILE`` order."""
+    used = collections.Counter(s.host for s in workers)
+    free = [h.host for h in hosts for _ in range(h.slots - used[h.host])]
+    return free[:count]
 
 
 def qrsh_command(qrsh: str, host: str, path: str | None) -> list[str]:
@@ -110,12 +202,66 @@ class SgeLauncher(SshLauncher):
     """Starts each host's processes through an agent reached with ``qrsh -inherit`` (see the module docstring)."""
 
     name = "sge"
+    summary = "qrsh -inherit inside a grid-engine parallel job, or one submitted with qsub -sync y"
+    detects = "inside a grid-engine parallel job"
+    priority = 20  # a batch system's job: its $PE_HOSTFILE says where the ranks go
+    capabilities = Capabilities(servers=True, host_list=False)
+    refusals = {
+        "elastic": ("elastic training (--min-np/--max-np/--host-discovery-script) needs {able}: a grid-engine "
+                    "job's hosts are fixed when it starts"),
+        "controller": MPI_NEEDS_MPIRUN,
+        "host_list": "--launcher sge takes its hosts from the grid engine's $PE_HOSTFILE; drop -H/--hostfile",
+        "sync_dst_dir": SYNC_NEEDS_SSH,
+        "mpi_args": MPI_ARGS_NEED_MPIRUN,
+    }
     #: The agents get the whole job environment: a qrsh task starts with the execd's bare one.
     forward_all = True
+
+    @classmethod
+    def detect(cls, request: Request) -> bool:
+        """Inside a parallel job (``PE_HOSTFILE`` and ``JOB_ID`` set, qrsh on PATH) when no host list was given."""
+        env = request.environ
+        return (request.hosts is None and inside_job(env)
+                and shutil.which("qrsh", path=env.get("PATH")) is not None)
+
+    @classmethod
+    def check(cls, config: ConfigView) -> None:
+        """As every launcher; ``--server-hosts`` too is refused: the servers take granted slots."""
+        super().check(config)
+        if config.server_host_list:
+            raise ConfigError("--launcher sge places the servers in the job's granted slots ($PE_HOSTFILE); "
+                              "drop --server-hosts")
+
+    @classmethod
+    def hosts(cls, config: LaunchConfig) -> list[HostSlots]:
+        """The granted hosts (:func:`job_hosts`), which must hold the workers and a slot for each server.
+
+        Outside a job (``hora run`` submits one, see :func:`submit`) there
+        is nothing to place yet.
+
+        Raises:
+            LaunchError: not inside a parallel job, or too few slots (:func:`check_slots`).
+        """
+        hosts = job_hosts()
+        check_slots(config, hosts, os.environ.get(envvars.PE))
+        return hosts
+
+    @classmethod
+    def server_hosts(cls, hosts: Sequence[HostSlots], workers: Sequence[Slot], count: int) -> list[str]:
+        """The servers take the granted slots the workers left (:func:`free_slots`)."""
+        return free_slots(hosts, workers, count)
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         super().__init__()
         self.environ = dict(os.environ if environ is None else environ)
+
+    def submits(self, config: LaunchConfig) -> bool:
+        """Outside a parallel job, ``hora run`` submits one (:func:`submit`)."""
+        return not inside_job(self.environ)
+
+    def submit(self, config: LaunchConfig, stdout: TextIO, stderr: TextIO, interrupt: Interrupt) -> JobResult:
+        """Submit the job with ``qsub -sync y`` (see :func:`submit`)."""
+        return submit(config, stdout, stderr, interrupt)
 
     def prepare(self, config: LaunchConfig, slots: Sequence[Slot]) -> Endpoints:
         """Start an agent on every host of the job with ``qrsh -inherit`` and choose the rendezvous address.
@@ -378,10 +524,3 @@ def _tail(path: str, stream: TextIO, done: threading.Event) -> None:
                 return
             time.sleep(0.05)
 
-
-#: What this module offers besides the launcher (the names of :mod:`~hora.runner.launchers.sge_hosts` included).
-__all__ = [
-    "DEFAULT_PE", "HOST_SPECIFIC", "SgeLauncher", "decode_config", "encode_config", "find_tool", "host_address",
-    "inside_job", "job_hosts", "parse_pe_hostfile", "pe_control_slaves", "plan_job_slots", "qrsh_command",
-    "submit", "submit_command",
-]

@@ -37,10 +37,12 @@ from typing import Any
 from hora import envvars
 from hora.errors import LaunchError
 from hora.runner.agent import MARKER
-from hora.runner.config import LaunchConfig, is_local_host
 from hora.runner.env import Endpoints, forwarded_names, free_port, interface_address
+from hora.runner.hostlist import is_local_host
 from hora.runner.keys import Key, parse_key
+from hora.runner.launch_config import LaunchConfig
 from hora.runner.launchers.base import Interrupt, JobResult, Slot, Supervisor, new_group_kwargs, signal_group
+from hora.runner.launchers.registry import MPI_ARGS_NEED_MPIRUN, MPI_NEEDS_MPIRUN, Capabilities, Launcher, Request
 from hora.runner.output import TAIL_LINES, OutputSink, pump, split_prefixed
 from hora.runner.plan import slot_command
 from hora.runner.ssh import SshOptions, agent_command, local_agent_command, sync_directory
@@ -168,13 +170,24 @@ class _suppress:
         return kind is not None and issubclass(kind, (OSError, ValueError, subprocess.TimeoutExpired))
 
 
-class SshLauncher:
+class SshLauncher(Launcher):
     """Starts each host's processes through an agent reached over ssh (see the module docstring)."""
 
     name = "ssh"
+    summary = "other hosts over ssh"
+    detects = "when -H names another machine"
+    priority = 10  # a host that is not this machine can only be reached over ssh
+    capabilities = Capabilities(servers=True, elastic=True, sync_dst_dir=True)
+    refusals = {"controller": MPI_NEEDS_MPIRUN, "mpi_args": MPI_ARGS_NEED_MPIRUN}
+    checks_command = True  # each host's agent checks the command where it runs
     #: Whether remote agents get the whole job environment, not only :func:`forwarded_names` (a launcher
     #: whose remote processes start without the user's login environment sets it).
     forward_all = False
+
+    @classmethod
+    def detect(cls, request: Request) -> bool:
+        """A host named (``-H``, ``--hostfile``, ``--server-hosts``) is not this machine."""
+        return any(not is_local_host(h.host) for h in request.hosts or ())
 
     def __init__(self) -> None:
         self.events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
