@@ -30,6 +30,8 @@ CAPABILITIES = {
                 remote_hosts=True, mpi_args=True),
     "slurm": dict(controllers=("gloo",), servers=False, elastic=False, sync_dst_dir=False, host_list=False,
                   remote_hosts=True, mpi_args=False),
+    "sge": dict(controllers=("gloo",), servers=True, elastic=False, sync_dst_dir=False, host_list=False,
+                remote_hosts=True, mpi_args=False),
 }
 
 
@@ -55,7 +57,7 @@ def test_every_launcher_registers_from_its_own_module():
 def test_names_include_mxnet_launch_py_spellings():
     # MXNet's launch.py --launcher takes local, ssh, mpi, sge and yarn; hora's names are the same words
     names = launcher_names()
-    assert {"local", "ssh", "mpi", "slurm"} <= set(names)
+    assert {"local", "ssh", "mpi", "slurm", "sge"} <= set(names)
     assert "yarn" in names  # known, so the CLI accepts it and explains what to do instead
     with pytest.raises(ConfigError, match=r"no YARN launcher.*Spark on YARN with hora.spark"):
         launcher_class("yarn")
@@ -122,6 +124,9 @@ def test_choice_follows_priority_and_what_was_asked(srun_on_path):
         (dict(controller="mpi", max_np=4), r"runs on gloo, because MPI's world is fixed"),
         (dict(launcher="slurm", min_np=1), r"an srun job step's tasks are fixed; drop --launcher slurm"),
         (dict(launcher="slurm", hosts="a:2"), r"--launcher slurm takes its hosts from the Slurm allocation"),
+        (dict(launcher="sge", min_np=1), r"a grid-engine job's hosts are fixed when it starts"),
+        (dict(launcher="sge", hosts="a:2"), r"--launcher sge takes its hosts from the grid engine's \$PE_HOSTFILE"),
+        (dict(launcher="sge", sync_dst_dir="/tmp/x"), r"it needs the ssh launcher, not --launcher sge"),
         (dict(launcher="local", hosts="localhost:1,far:1"), r"--launcher local only starts processes on this "
                                                             r"machine, but the hosts include 'far'"),
         (dict(launcher="local", sync_dst_dir="/tmp/x"), r"it needs the ssh launcher, not --launcher local"),
