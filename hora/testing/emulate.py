@@ -344,6 +344,7 @@ class EmulatedCluster:
         self.state_dir: str | None = None
         self._sshd: dict[str, subprocess.Popen] = {}
         self._daemons: list[subprocess.Popen] = []
+        self._sge_daemons: list[subprocess.Popen] = []
         self._lock = threading.Lock()
         self._closed = False
 
@@ -485,15 +486,13 @@ class EmulatedCluster:
     def stop_slurm(self) -> None:
         """Stop the Slurm daemons that :meth:`start_slurm` started (safe to call twice)."""
         daemons, self._daemons = self._daemons, []
-        for proc in daemons:
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-        for proc in daemons:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+        _stop(daemons)
+
+    def stop_sge(self) -> None:
+        """Stop the grid engine's daemons that :meth:`start_sge` started (safe to call twice)."""
+        daemons, self._sge_daemons = self._sge_daemons, []
+        # sge_qmaster takes more than 10 s to shut down on SIGTERM; its cell is thrown away anyway
+        _stop(daemons, grace=2.0)
 
     def start_sge(self, slots_per_host: int = 2, timeout: float = 60.0) -> dict[str, str]:
         """Run Son of Grid Engine on the hosts: sge_qmaster on h1, sge_execd on every host.
@@ -520,18 +519,18 @@ class EmulatedCluster:
             ClusterUnavailable: the grid engine is not installed or did not come up.
         """
         require_tools(("sge_qmaster", "sge_execd", "qsub", "qconf", "qrsh", "qstat"), "start_sge()")
-        env = self._sge_env = self._write_sge_cell(slots_per_host)
+        env = self._write_sge_cell(slots_per_host)
         quiet = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL,
                  "start_new_session": True, "env": dict(env, SGE_ND="1")}  # SGE_ND: stay in the foreground
-        self._daemons.append(self.popen("h1", [_which("sge_qmaster") or "sge_qmaster"], **quiet))
+        self._sge_daemons.append(self.popen("h1", [_which("sge_qmaster") or "sge_qmaster"], **quiet))
         deadline = time.monotonic() + timeout
         while self.run("h1", ["qstat", "-f"], env=env, timeout=30).returncode != 0:
-            if time.monotonic() > deadline or self._daemons[-1].poll() is not None:
+            if time.monotonic() > deadline or self._sge_daemons[-1].poll() is not None:
                 raise ClusterUnavailable(f"sge_qmaster did not come up in {timeout} s: {self._sge_log('qmaster')}")
             time.sleep(0.3)
         self._configure_sge(env)
         for host in self.hosts:
-            self._daemons.append(self.popen(host.name, [_which("sge_execd") or "sge_execd"], **quiet))
+            self._sge_daemons.append(self.popen(host.name, [_which("sge_execd") or "sge_execd"], **quiet))
         expected = self.n_hosts * slots_per_host
         while True:
             result = self.run("h1", ["qstat", "-g", "c"], env=env, timeout=30)
@@ -690,7 +689,8 @@ class EmulatedCluster:
                 self._closed = True
                 return
             self._closed = True
-        self.stop_slurm()  # every daemon: Slurm's and the grid engine's
+        self.stop_slurm()
+        self.stop_sge()
         for proc in self._sshd.values():
             with contextlib.suppress(ProcessLookupError):
                 proc.terminate()
@@ -861,6 +861,20 @@ class EmulatedCluster:
             _run([*outward, "replace", "dev", INTERFACE, "root", *_tbf(self.link)])  # type: ignore[arg-type]
         if self.link is not None:
             _run([*inward, "replace", "dev", veth, "root", *_tbf(self.link)])
+
+
+def _stop(daemons: Sequence[subprocess.Popen], grace: float = 10.0) -> None:
+    """SIGTERM every daemon, then SIGKILL those that have not exited ``grace`` seconds later."""
+    for proc in daemons:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+    deadline = time.monotonic() + grace
+    for proc in daemons:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
 
 
 def _sge_available(qstat_gc: str, queue: str) -> int:

@@ -46,7 +46,7 @@ def sge(cluster):
     except ClusterUnavailable as e:
         pytest.skip(f"no grid engine on the emulated cluster: {e}")
     yield env
-    cluster.stop_slurm()  # stops every daemon the cluster started, the grid engine's included
+    cluster.stop_sge()
 
 
 def job_env(sge: Mapping[str, str]) -> dict[str, str]:
@@ -204,6 +204,26 @@ def test_qdel_leaves_no_process_on_any_host(cluster, sge, tmp_path):
     assert job.returncode != 0, "".join(err_lines)
     assert len(marker.read_text().split()) == 4
     assert wait_clean(cluster, baseline) == {h.name: [] for h in cluster.hosts}
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_to_hora_run_deletes_the_submitted_job(cluster, sge):
+    baseline = netns_pids(cluster)
+    job = cluster.popen("h1", hora_run("--launcher", "sge", "-np", "3", PY, str(HOLD)), env=job_env(sge),
+                        cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _ready(job, 3)
+        job.send_signal(signal.SIGTERM)
+        _, stderr = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 128 + signal.SIGTERM, stderr
+    assert "stopped all workers after receiving SIGTERM" in stderr
+    assert wait_clean(cluster, baseline) == {h.name: [] for h in cluster.hosts}
+    queued = cluster.run("h1", ["qstat", "-u", "*"], env=job_env(sge), timeout=30)
+    assert queued.stdout.strip() == "", queued.stdout
 
 
 def _ready(job: subprocess.Popen, n: int, timeout: float = 120) -> dict[int, tuple[str, int]]:
