@@ -11,6 +11,7 @@ tests are skipped with the reason.  Every wait is bounded.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,19 @@ def qsub_job(cluster, sge, tmp_path, slots: int, *job: str, timeout: float = 150
 
 def hora_run(*args: str) -> list[str]:
     return [PY, "-m", "hora.runner.cli", "run", *args]
+
+
+@contextlib.contextmanager
+def submitting(cluster, sge, *args: str) -> Iterator[subprocess.Popen]:
+    """``hora run --launcher sge ARGS`` on h1 in the background (text pipes), killed at the end if still running."""
+    job = cluster.popen("h1", hora_run("--launcher", "sge", *args), env=job_env(sge), cwd=str(REPO),
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield job
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
 
 
 def job_processes(cluster, baseline: Mapping[str, list[int]]) -> dict[str, list[int]]:
@@ -162,18 +176,12 @@ def test_launch_py_spelling_submits_workers_and_servers(cluster, sge):
 @pytest.mark.timeout(240)
 def test_killing_a_rank_ends_the_job_with_the_root_cause(cluster, sge):
     baseline = netns_pids(cluster)
-    job = cluster.popen("h1", hora_run("--launcher", "sge", "-np", "4", PY, str(HOLD)), env=job_env(sge),
-                        cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with submitting(cluster, sge, "-np", "4", PY, str(HOLD)) as job:
         ready = _ready(job, 4)
         victim = max(ready)
         start = time.monotonic()
         os.kill(ready[victim][1], signal.SIGKILL)
         stdout, stderr = job.communicate(timeout=30)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
     elapsed = time.monotonic() - start
     assert job.returncode != 0
     assert elapsed < 30, f"the job took {elapsed:.1f} s to end"
@@ -188,19 +196,13 @@ def test_qdel_leaves_no_process_on_any_host(cluster, sge, tmp_path):
     # Each rank also starts a child in its own process group, which qdel alone would not reach.
     marker = tmp_path / "child"
     rank = f"sleep 300 & echo $! >> {marker}; exec {PY} {HOLD}"
-    job = cluster.popen("h1", hora_run("--launcher", "sge", "-np", "4", "sh", "-c", rank), env=job_env(sge),
-                        cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     err_lines: list[str] = []
-    threading.Thread(target=lambda: err_lines.extend(job.stderr), daemon=True).start()  # type: ignore[arg-type]
-    try:
+    with submitting(cluster, sge, "-np", "4", "sh", "-c", rank) as job:
+        threading.Thread(target=lambda: err_lines.extend(job.stderr), daemon=True).start()  # type: ignore[arg-type]
         _ready(job, 4)
         job_id = next(m.group(1) for line in err_lines if (m := re.search(r"grid engine job (\d+)", line)))
         assert cluster.run("h1", ["qdel", job_id], env=job_env(sge), timeout=30).returncode == 0
         job.wait(timeout=60)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
     assert job.returncode != 0, "".join(err_lines)
     assert len(marker.read_text().split()) == 4
     assert wait_clean(cluster, baseline) == {h.name: [] for h in cluster.hosts}
@@ -209,16 +211,10 @@ def test_qdel_leaves_no_process_on_any_host(cluster, sge, tmp_path):
 @pytest.mark.timeout(240)
 def test_sigterm_to_hora_run_deletes_the_submitted_job(cluster, sge):
     baseline = netns_pids(cluster)
-    job = cluster.popen("h1", hora_run("--launcher", "sge", "-np", "3", PY, str(HOLD)), env=job_env(sge),
-                        cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with submitting(cluster, sge, "-np", "3", PY, str(HOLD)) as job:
         _ready(job, 3)
         job.send_signal(signal.SIGTERM)
         _, stderr = job.communicate(timeout=60)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
     assert job.returncode == 128 + signal.SIGTERM, stderr
     assert "stopped all workers after receiving SIGTERM" in stderr
     assert wait_clean(cluster, baseline) == {h.name: [] for h in cluster.hosts}
