@@ -7,7 +7,7 @@ only (``tests/unit/test_env_contract.py`` checks that what each launcher sets
 is what a worker reads).  Each constant is spelled as the variable it names.
 
 What a worker of ``hora run`` gets (the rank variables are added per worker,
-see :meth:`hora.runner.launchers.base.Slot.env`):
+see :meth:`hora.placement.Placement.env`):
 
 ==========================  ==================================================
 ``HORA_RANK`` ...           rank, size, local/cross rank and size, hostname

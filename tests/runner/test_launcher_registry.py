@@ -6,6 +6,7 @@ import pytest
 
 from hora.errors import ConfigError, LaunchError
 from hora.placement import HostSlots
+from hora.runner.cli import build_parser, config_from_args
 from hora.runner.launch_config import LaunchConfig
 from hora.runner.launchers import get_launcher, registry
 from hora.runner.launchers.registry import (
@@ -63,6 +64,9 @@ def test_names_include_mxnet_launch_py_spellings():
         launcher_class("yarn")
     with pytest.raises(ConfigError, match=r"hora.spark"):
         LaunchConfig(command=["python"], num_proc=2, launcher="yarn")
+    args = build_parser().parse_args(["run", "-n", "2", "--launcher", "yarn", "python", "train.py"])  # launch.py's
+    with pytest.raises(ConfigError, match=r"no YARN launcher"):
+        config_from_args(args)
     with pytest.raises(ConfigError, match=r"--launcher 'k8s' is not one of local, mpi, .*ssh"):
         launcher_class("k8s")
     with pytest.raises(LaunchError, match="unknown launcher 'k8s'"):
