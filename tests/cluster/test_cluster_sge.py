@@ -260,6 +260,12 @@ def test_errors_name_the_fix(cluster, sge, pe_without_control, tmp_path):
                          env=env, cwd=str(REPO), timeout=60)
     assert result.returncode != 0
     assert "'loose' has control_slaves FALSE" in result.stderr and "qconf -mp loose" in result.stderr, result.stderr
+    # a parallel environment that does not exist: qsub's reason, and where to look
+    result = cluster.run("h1", hora_run("--launcher", "sge", "--sge-pe", "nosuch", "-np", "2", PY, "-c", "pass"),
+                         env=env, cwd=str(REPO), timeout=60)
+    assert result.returncode != 0
+    assert "qsub did not submit the job; check the parallel environment (--sge-pe nosuch" in result.stderr
+    assert "nosuch" in result.stderr.split("qconf -sql lists them)", 1)[1], result.stderr  # qsub's own words
     # inside such a job, qrsh -inherit is refused: the error says why
     code, _, err = qsub_job(cluster, sge, tmp_path, 2, *hora_run("-np", "2", PY, "-c", "pass"), timeout=120)
     assert code == 0 and "error" not in err.lower(), err  # (the same job in the right PE works)

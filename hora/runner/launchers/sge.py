@@ -453,8 +453,9 @@ def submit(config: LaunchConfig, stdout: TextIO, stderr: TextIO, interrupt: Inte
     if interrupted is not None:
         return JobResult(exit_code=128 + interrupted, interrupted_by=interrupted)
     if not job_id:
-        return JobResult(exit_code=exit_status(proc.returncode) or 1, message="qsub did not submit the job",
-                         details=tuple(said[-5:]))
+        message = (f"qsub did not submit the job; check the parallel environment (--sge-pe {pe}; qconf -spl lists "
+                   "them) and the queue (--sge-queue; qconf -sql lists them)")
+        return JobResult(exit_code=exit_status(proc.returncode) or 1, message=message, details=tuple(said[-5:]))
     return JobResult(**job_outcome(job_id[0], proc.returncode, said))
 
 
