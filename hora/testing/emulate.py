@@ -913,7 +913,7 @@ def _tbf(rate: str) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hora.testing.emulate up [-n 3] [--link 1gbit] [--latency 0.1ms] | sweep``.
+    """``python -m hora.testing.emulate up [-n 3] [--link 1gbit] [--latency 0.1ms] [--sge] | sweep``.
 
     ``up`` starts a cluster, prints how to use it and keeps it up until
     Ctrl-C; ``sweep`` removes clusters left by dead processes.
@@ -926,6 +926,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("-n", "--hosts", type=int, default=3)
     up.add_argument("--link")
     up.add_argument("--latency")
+    up.add_argument("--sge", action="store_true", help="also run Son of Grid Engine on the hosts (start_sge)")
     sub.add_parser("sweep", help="remove clusters whose owner died")
     args = parser.parse_args(argv)
     if args.action == "sweep":
@@ -937,6 +938,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ssh config: {cluster.ssh_config}")
         print(f"run on h1:  nsenter --target {cluster.hosts[0].pid} --net --uts --mount -- bash")
         print(f"then:       hora run -H {cluster.hosts_spec(2)} --ssh-config-file {cluster.ssh_config} ...")
+        if args.sge:
+            env = cluster.start_sge()
+            print(f"grid engine: export SGE_ROOT={env['SGE_ROOT']} SGE_CELL={env['SGE_CELL']} "
+                  f"SGE_QMASTER_PORT={env['SGE_QMASTER_PORT']} SGE_EXECD_PORT={env['SGE_EXECD_PORT']}; "
+                  "then on h1: qsub -pe hora N ... or hora run --launcher sge -np N ...")
         with contextlib.suppress(KeyboardInterrupt):
             signal.pause()
     return 0
