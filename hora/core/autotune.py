@@ -193,7 +193,7 @@ class Search:
         x = np.array([features(s) for s in tried])
         y = np.array([sum(self.scores[s]) / len(self.scores[s]) for s in tried])
         scale = float(np.abs(y).max()) or 1.0
-        # Fixed hyperparameters: fitting them takes ~0.5 s on a busy host, and this runs inside an engine
+        # Fixed hyperparameters: fitting them is an optimisation loop, and this runs inside an engine
         # round.  Length scales are in the features' units (log2 of sizes and times; overlap 0/1).
         kernel = ConstantKernel(1.0, "fixed") * Matern(length_scale=[3.0, 2.0, 3.0, 1.0], length_scale_bounds="fixed",
                                                        nu=2.5) + WhiteKernel(0.05, "fixed")
