@@ -368,3 +368,22 @@ def test_unwritable_path_is_a_config_error(tmp_path):
 
     with pytest.raises(ConfigError, match="HORA_TIMELINE"):
         Timeline(blocker / "tl.json")
+
+
+def test_the_timeline_and_the_autotuner_have_what_the_engine_calls(tmp_path):
+    """The engine calls its hooks only through the protocols of hora.core.hooks: the implementations keep up."""
+    import typing
+
+    from hora.core import hooks
+    from hora.core.autotune import Autotuner
+
+    tl = Timeline(tmp_path / "tl.json")
+    tl.close()
+    for protocol, implementation in ((hooks.RoundRecorder, tl), (hooks.Tuner, Autotuner)):
+        attributes = set(typing.get_type_hints(protocol))
+        methods = {n for n in vars(protocol) if not n.startswith("_")} - attributes
+        assert methods, protocol
+        for name in methods:
+            assert callable(getattr(implementation, name, None)), (implementation, name)
+        for name in attributes:
+            assert hasattr(implementation, name), (implementation, name)
