@@ -350,11 +350,7 @@ class Timeline:
         # pending ones and ready ones means the three are the same names.
         if not len(ready) == len(pending) == np.count_nonzero(counts):
             return None
-        if len(members) == 1:
-            ranks = next(iter(members.values()))
-            rankses = [ranks] * len(ready)
-        else:
-            rankses = [members.get(r.process_set, ()) for r in ready]
+        rankses = [members.get(r.process_set, ()) for r in ready]
         # each count is at most its set's size, so equal sums mean every one is full (no joined rank's gap)
         if int(counts.sum()) != sum(map(len, rankses)) or any([r.error is not None for r in ready]):
             return None
@@ -379,19 +375,16 @@ class Timeline:
         if mine and self.rank not in known:
             known.add(self.rank)
             instants.append((pending[name].submitted_at, str(self.rank)))
-        for r in sorted(announced - known):
-            known.add(r)
-            instants.append((at, str(r)))
-        if count <= state.count:
-            return
-        state.count = count
-        unknown = [r for r in ranks if r not in known and (r != self.rank or mine)]
-        if len(unknown) == count - len(known):
-            for r in unknown:
-                known.add(r)
-                instants.append((at, str(r)))
-        elif count > len(known):
-            instants.append((at, f"ready {count}/{len(ranks)}"))
+        newly = sorted(announced - known)
+        if count > state.count:
+            state.count = count
+            unknown = [r for r in ranks if r not in known and r not in newly and (r != self.rank or mine)]
+            if len(unknown) == count - len(known) - len(newly):  # the count says which ranks they are
+                newly += unknown
+            elif count > len(known) + len(newly):
+                instants.append((at, f"ready {count}/{len(ranks)}"))
+        known.update(newly)
+        instants += [(at, str(r)) for r in newly]
 
     # ---------------------------------------------------------------- writer
     def _open_file(self) -> None:
