@@ -45,9 +45,13 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hora.core.buffers import ITEMSIZE
+
+if TYPE_CHECKING:
+    from hora.config import EngineConfig
+    from hora.core.negotiation import Ready
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +193,7 @@ class Search:
         x = np.array([features(s) for s in tried])
         y = np.array([sum(self.scores[s]) / len(self.scores[s]) for s in tried])
         scale = float(np.abs(y).max()) or 1.0
-        # Fixed hyperparameters: fitting them takes ~0.5 s on a busy host, and this runs inside an engine
+        # Fixed hyperparameters: fitting them is an optimisation loop, and this runs inside an engine
         # round.  Length scales are in the features' units (log2 of sizes and times; overlap 0/1).
         kernel = ConstantKernel(1.0, "fixed") * Matern(length_scale=[3.0, 2.0, 3.0, 1.0], length_scale_bounds="fixed",
                                                        nu=2.5) + WhiteKernel(0.05, "fixed")
@@ -312,7 +316,7 @@ class Autotuner:
         else:
             self._mode, self._window = "settle", 1
 
-    def after_round(self, ready: Iterable[Any]) -> None:
+    def after_round(self, ready: Iterable[Ready]) -> None:
         """Count the bytes and steps of a round's executed collectives; close a window when it is full.
 
         A window of k steps is full when a name it has seen k times comes
@@ -417,13 +421,13 @@ class Autotuner:
             self._writer = None
 
 
-def start_settings(config: Any, overlap: bool) -> Settings:
+def start_settings(config: EngineConfig, overlap: bool) -> Settings:
     """The engine's current knobs as a :class:`Settings` (the first trial)."""
     return Settings(config.fusion_threshold_bytes, float(config.cycle_time_ms), config.direct_threshold_bytes,
                     bool(overlap))
 
 
-def for_engine(config: Any, overlap: bool) -> Autotuner:
+def for_engine(config: EngineConfig, overlap: bool) -> Autotuner:
     """The autotuner rank 0's engine runs with ``config`` (``HORA_AUTOTUNE*`` knobs).
 
     With ``HORA_AUTOTUNE_SPACE`` the job's own settings are the first trial

@@ -29,6 +29,7 @@ import numpy as np
 from hora.config import EngineConfig
 from hora.core.backends.base import Backend
 from hora.core.executor import Executor
+from hora.core.hooks import RoundRecorder, Tuner
 from hora.core.negotiation import (
     HEADER,
     SLOT_JOINED,
@@ -115,13 +116,13 @@ class Engine:
             cores_per_rank >= 2 or "cuda" in self._backends)
         self.rounds = 0
         #: the :class:`~hora.core.timeline.Timeline` recording this rank, or None (see :meth:`set_timeline`)
-        self.timeline: Any = None
+        self.timeline: RoundRecorder | None = None
         if config.timeline_filename:
             from hora.core import timeline
 
             timeline.start(self, config.timeline_filename, config.timeline_mark_cycles)
         #: rank 0's :class:`~hora.core.autotune.Autotuner` with ``HORA_AUTOTUNE=1``; the others follow it
-        self.autotune: Any = None
+        self.autotune: Tuner | None = None
         if config.autotune and self.rank == 0:
             from hora.core import autotune
 
@@ -187,7 +188,7 @@ class Engine:
             self.autotune.close()
         self._teardown_backends()
 
-    def set_timeline(self, timeline: Any) -> Any:
+    def set_timeline(self, timeline: RoundRecorder | None) -> RoundRecorder | None:
         """Record into ``timeline`` from the next round on (None: stop recording); returns the previous one.
 
         :func:`hora.core.timeline.start` and ``stop`` call this; they open and close the files.

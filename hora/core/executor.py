@@ -27,10 +27,12 @@ from typing import Any
 from hora.core.backends.base import Backend
 from hora.core.buffers import ITEMSIZE, UPCAST, Array, ArrayOps
 from hora.core.buffers.numpy_ops import NUMPY
+from hora.core.hooks import RoundRecorder
 from hora.core.negotiation import Ready, Signature
 from hora.core.ops import CollectiveType, ReduceOp
 from hora.core.process_sets import ProcessSetState
 from hora.core.request import Request
+from hora.core.timeline import Bucket as TimelineBucket
 from hora.errors import HoraError, InternalError, UnsupportedError
 
 log = logging.getLogger(__name__)
@@ -128,9 +130,7 @@ class Executor:
         # The family and exact device (cuda:1, not just cuda) of this rank's tensors, for a joined rank's zeros.
         self._devices: dict[str, tuple[ArrayOps, Any]] = {}
         #: the :class:`~hora.core.timeline.Timeline` recording this rank, or None (the engine sets it)
-        self.timeline: Any = None
-        #: while a recorded round reduces: its finished buckets (see Timeline.buckets)
-        self._traced: list[tuple] | None = None
+        self.timeline: RoundRecorder | None = None
 
     # ------------------------------------------------------------------ driver
     def run(self, items: Sequence[tuple[Ready, Request | None]]) -> None:
@@ -240,16 +240,15 @@ class Executor:
         """Reduce every bucket of the round; when it is recorded, its buckets go to the timeline as one record."""
         tl = self.timeline
         # the round's finished buckets, for the timeline: handed over at once, even when one fails
-        self._traced = [] if tl is not None and order else None
+        traced: list[TimelineBucket] | None = [] if tl is not None and order else None
         try:
-            self._reduce_buckets(order)
+            self._reduce_buckets(order, traced)
         finally:
-            if self._traced:
-                tl.buckets(self._traced)
-            self._traced = None
+            if traced:
+                tl.buckets(traced)
 
-    def _reduce_buckets(self, order: Sequence[_Bucket]) -> None:
-        """Reduce the buckets in the same order on every rank.
+    def _reduce_buckets(self, order: Sequence[_Bucket], traced: list[TimelineBucket] | None) -> None:
+        """Reduce the buckets in the same order on every rank; append each finished one to ``traced``.
 
         On a backend that runs collectives concurrently (gloo) every bucket is
         started before any is waited for: one collective's latency hides
@@ -266,7 +265,7 @@ class Executor:
             backend = self._backend_for(bucket.device_type)
             group = self._group(bucket.pset, backend)
             if len(bucket.slots) == 1:
-                finish = self._start_direct(bucket, bucket.slots[0], backend, group, len(order))
+                finish = self._start_direct(bucket, bucket.slots[0], backend, group, len(order), traced)
             else:
                 numel = sum(ops.numel(s.source) for s in bucket.slots)
                 device = ops.device(bucket.slots[0].source)
@@ -280,7 +279,7 @@ class Executor:
                     offset = 0
                 buf = self._fusion_buffer(ops, bucket.compute_dtype, device, offset + numel)[offset : offset + numel]
                 claimed[key] = offset + numel
-                finish = self._start_fused(bucket, buf, backend, group, len(order))
+                finish = self._start_fused(bucket, buf, backend, group, len(order), traced)
             if backend.concurrent:
                 in_flight.append(finish)
             else:
@@ -290,32 +289,14 @@ class Executor:
             finish()
 
     def _start_fused(
-        self, bucket: _Bucket, buf: Array, backend: Backend, group: Any, fanout: int
+        self, bucket: _Bucket, buf: Array, backend: Backend, group: Any, fanout: int,
+        traced: list[TimelineBucket] | None,
     ) -> Callable[[], None]:
         """Pack the bucket into ``buf`` and start its allreduce; returns what finishes it.
 
         Packing and unpacking are one call each for the whole bucket (see the
-        families' ``pack``/``unpack``): a slice-and-copy per tensor in Python
-        cost 4 ms for ResNet-50's 150 small tensors.
+        families' ``pack``/``unpack``), not a slice-and-copy per tensor.
         """
-        ops, slots = bucket.ops, bucket.slots
-        if self._traced is not None:
-            return self._traced_fused(self._traced, bucket, buf, backend, group, fanout)
-        ops.pack([s.source for s in slots], buf)
-        ops.scale_(buf, bucket.prescale)
-        wait = backend.allreduce_start(buf, bucket.op, group, fanout)
-
-        def finish() -> None:
-            wait()
-            ops.scale_(buf, bucket.postscale)
-            ops.unpack(buf, [s.output for s in slots])
-
-        return finish
-
-    def _traced_fused(
-        self, traced: list[tuple], bucket: _Bucket, buf: Array, backend: Backend, group: Any, fanout: int
-    ) -> Callable[[], None]:
-        """:meth:`_start_fused` with the timeline's timestamps: packing, the reduction, unpacking."""
         ops, slots = bucket.ops, bucket.slots
         start = time.monotonic()
         ops.pack([s.source for s in slots], buf)
@@ -328,18 +309,19 @@ class Executor:
             reduced = time.monotonic()
             ops.scale_(buf, bucket.postscale)
             ops.unpack(buf, [s.output for s in slots])
-            traced.append((backend.name, True, [s.request.key if s.request is not None else None for s in slots],
-                           start, packed, reduced, time.monotonic()))
+            if traced is not None:
+                traced.append(TimelineBucket(backend.name, True, [_key(s) for s in slots], start, packed, reduced,
+                                             time.monotonic()))
 
         return finish
 
     def _start_direct(
-        self, bucket: _Bucket, slot: _Slot, backend: Backend, group: Any, fanout: int
+        self, bucket: _Bucket, slot: _Slot, backend: Backend, group: Any, fanout: int,
+        traced: list[TimelineBucket] | None,
     ) -> Callable[[], None]:
         """Start the allreduce of one tensor in its own memory where possible; returns what finishes it."""
         ops, src, out = bucket.ops, slot.source, slot.output
-        traced = self._traced
-        start = time.monotonic() if traced is not None else 0.0
+        start = time.monotonic()
         if ops.dtype_name(src) == bucket.compute_dtype and ops.is_contiguous(out):
             if out is not src:
                 ops.scaled_copy_(out, src, bucket.prescale)
@@ -350,23 +332,6 @@ class Executor:
             work = ops.cast_flat(src, bucket.compute_dtype, copy=True)
             ops.scale_(work, bucket.prescale)
         wait = backend.allreduce_start(work, bucket.op, group, fanout)
-        if traced is not None:
-            return self._traced_direct(traced, start, wait, bucket, slot, work, backend)
-
-        def finish() -> None:
-            wait()
-            ops.scale_(work, bucket.postscale)
-            if work is not out:
-                ops.copy_(out, work)
-
-        return finish
-
-    def _traced_direct(
-        self, traced: list[tuple], start: float, wait: Callable[[], None], bucket: _Bucket, slot: _Slot,
-        work: Array, backend: Backend,
-    ) -> Callable[[], None]:
-        """The finish of :meth:`_start_direct`, recording the reduction (from ``start``) in the timeline."""
-        ops, out = bucket.ops, slot.output
 
         def finish() -> None:
             wait()
@@ -374,8 +339,9 @@ class Executor:
             ops.scale_(work, bucket.postscale)
             if work is not out:
                 ops.copy_(out, work)
-            traced.append((backend.name, False, [slot.request.key if slot.request is not None else None],
-                           start, start, reduced, time.monotonic()))
+            if traced is not None:
+                traced.append(TimelineBucket(backend.name, False, [_key(slot)], start, start, reduced,
+                                             time.monotonic()))
 
         return finish
 
@@ -480,6 +446,11 @@ class Executor:
         backend.reduce_scatterv(send, recv, [r * row_numel for r in rows], op, group)
         ops.scale_(recv, post)
         return ops.reshape(ops.astype(recv, dtype), (rows[me], *shape[1:]))
+
+
+def _key(slot: _Slot) -> str | None:
+    """The negotiated name of a slot's request, for the timeline (None: a joined rank's zeros)."""
+    return slot.request.key if slot.request is not None else None
 
 
 def reducescatter_rows(first_dim: int, n: int) -> list[int]:

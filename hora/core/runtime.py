@@ -164,14 +164,14 @@ def init(
             return
         if comm is not None and not (isinstance(comm, list) and not comm):
             ranks = _ranks_of_comm(comm) if hasattr(comm, "Get_group") else list(comm)
-            from hora.core import start_engine as _start
+            from hora.core.startup import start_engine as _start
 
             engine = _start(config)
             if sorted(ranks) != list(range(engine.size)):
                 engine.shutdown()
                 raise ConfigError("init(comm=...) with a sub-communicator is not supported; use process sets")
         else:
-            from hora.core import start_engine as _start
+            from hora.core.startup import start_engine as _start
 
             engine = _start(config)
         _runtime = Runtime(engine)

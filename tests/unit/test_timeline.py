@@ -19,7 +19,7 @@ import pytest
 from hora.core import timeline as tlmod
 from hora.core.negotiation import HEADER, NameCache, Ready, Signature
 from hora.core.ops import CollectiveType, ReduceOp
-from hora.core.timeline import Timeline, load, rank_path
+from hora.core.timeline import Bucket, Timeline, load, rank_path
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,7 +55,7 @@ def test_one_collective_gives_horovods_spans(tmp_path):
     # round 1: only rank 0 marked it; round 2: both did
     tl.observe_round(t + 0.001, pending, cache, np.array([0, 0, 0, 1]), HEADER, None, members, [])
     tl.observe_round(t + 0.002, pending, cache, np.array([0, 0, 0, 2]), HEADER, None, members, [ready])
-    tl.buckets([("mpi", True, ["w"], t + 0.003, t + 0.004, t + 0.005, t + 0.006)])
+    tl.buckets([Bucket("mpi", True, ["w"], t + 0.003, t + 0.004, t + 0.005, t + 0.006)])
     tl.close()
     ev = events_of(path)
     assert ev[0]["args"]["start_time_since_epoch_in_micros"] > 0
@@ -84,12 +84,12 @@ def one_round(tl, names, t, ready=True):
 
 
 def test_a_collective_ready_everywhere_in_one_round_gives_the_same_spans(tmp_path):
-    """The writer's fast path (one template per tensor) writes what the general path writes."""
+    """A round that finds every tensor ready at once (one record) gives the spans of the rank-by-rank path."""
     path = tmp_path / "tl.json"
     tl = Timeline(path, rank=0, flush_interval_s=0.01)
     t = time.monotonic()
     one_round(tl, ["w", "v"], t)
-    tl.buckets([("gloo", True, ["w", "v"], t + 0.001, t + 0.002, t + 0.003, t + 0.004)])
+    tl.buckets([Bucket("gloo", True, ["w", "v"], t + 0.001, t + 0.002, t + 0.003, t + 0.004)])
     tl.close()
     ev = events_of(path)
     for pid in (1, 2):
@@ -108,7 +108,7 @@ def test_a_collective_ready_everywhere_in_one_round_gives_the_same_spans(tmp_pat
 class SteadyJob:
     """Rounds of a training step as the engine records them: five allreduces, ready everywhere in one round,
     reduced in a fused bucket of three and two buckets in place.  The Ready objects live on, as in the
-    engine's name cache, so a later round is recognised as the same."""
+    engine's name cache."""
 
     NAMES = ["w1", "w2", "w3", "big1", "big2"]
     BUCKETS = [(["w1", "w2", "w3"], True), (["big1"], False), (["big2"], False)]
@@ -119,97 +119,64 @@ class SteadyJob:
             s = sig(shape=(i + 1, 3))
             self.cache.remember(name, 0, [s.encode(), s.encode()], Ready(name, 0, [s, s]))
 
-    def record(self, path, t0, starts, batched=False):
-        """One recording with its zero at ``t0``, one step at each of ``starts``; returns its events.
+    def record(self, path, starts, batched):
+        """One recording, one step at each of ``starts``; returns its events and its zero.
 
-        ``batched``: a round's buckets come as one record, as the executor hands them over (but for the
-        write in the middle of round 2), rather than one by one.
+        ``batched``: a round's buckets come as one record, as the executor hands them over, rather than
+        one by one; in both cases the writer writes once in the middle of the second round.
         """
         tl = Timeline(path, rank=0, flush_interval_s=3600)
-        tl._t0 = t0  # both recordings of a comparison count from the same zero
         for k, t in enumerate(starts):
             pending = {n: SimpleNamespace(kind=CollectiveType.ALLREDUCE, submitted_at=t + 1e-4 * i)
                        for i, n in enumerate(self.NAMES)}
-            at = t + 0.001
-            tl.observe_round(at, pending, self.cache, np.array([0, 0, 0] + [2] * len(self.NAMES)), HEADER, None,
-                             {0: (0, 1)}, [self.cache.by_name[n].ready for n in self.NAMES])
+            tl.observe_round(t + 0.001, pending, self.cache, np.array([0, 0, 0] + [2] * len(self.NAMES)), HEADER,
+                             None, {0: (0, 1)}, [self.cache.by_name[n].ready for n in self.NAMES])
             done = []
             for j, (names, fused) in enumerate(self.BUCKETS):
-                b = at + 0.002 * (j + 1)
-                done.append(("mpi", fused, names, b, b + 3e-4, b + 6e-4, b + 9e-4))
-                if not batched or (k == 1 and j == 0):
+                b = t + 0.001 + 0.002 * (j + 1)
+                done.append(Bucket("mpi", fused, names, b, b + 3e-4, b + 6e-4, b + 9e-4))
+                if not batched or j == 0:
                     tl.buckets(done)
                     done = []
                 if k == 1 and j == 0:
-                    tl._drain()  # a write in the middle of a round: the round waits for its last bucket
+                    tl._write_queued()  # a write in the middle of a round
             if done:
                 tl.buckets(done)
         tl.close()
-        return events_of(path)
+        return events_of(path), tl._t0
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["bucket-by-bucket", "round-at-once"])
-@pytest.mark.parametrize("zero", [0.0, 0.9992], ids=["same-digits", "straddling-1s"])
-def test_steady_rounds_written_from_the_kept_text_match_the_general_path(tmp_path, monkeypatch, zero, batched):
-    """The third and later rounds of a step that repeats are written by filling a kept text.
-
-    The file is event for event what the general path writes, both when every time of a round has the
-    same number of digits (digits copied into bytes) and when a round straddles 1 s (strings per gap),
-    and whether the buckets come one by one or as the round's one record.
-    """
+def test_every_step_of_a_steady_job_gives_each_tensor_its_spans_at_the_engines_times(tmp_path, batched):
+    """Each step: per tensor, its negotiation from its submission to the round, then its bucket's activities
+    at the times the executor reported, and the closing dtype and shape."""
     job = SteadyJob()
     starts = [1.0 + 0.01 * k for k in range(4)]
-    t0 = zero if zero == 0.0 else starts[3] + 0.0017 - 1.0  # round 4's bucket times cross 1 s, its starts not
-    filled = []
-    real = Timeline._write_steady
-    monkeypatch.setattr(Timeline, "_write_steady", lambda self, *a: (filled.append(1), real(self, *a))[1])
-    tlmod._ROUND_TEXTS.clear()
-    fast = job.record(tmp_path / "fast.json", t0, starts, batched)
-    assert len(filled) == 2  # the general path writes two rounds, and keeps the text of the second
-    monkeypatch.setattr(Timeline, "_start_steady", lambda self, rec, lines: False)
-    general = job.record(tmp_path / "general.json", t0, starts, not batched)
-    assert fast[2:] == general[2:]  # all but the two events naming the file's start time
-    spans = [(e["ph"], e.get("name")) for e in fast if e.get("pid") == 4 and e["ph"] != "M"]
-    assert spans[-5:] == [("B", "QUEUE"), ("E", None), ("B", "MPI_ALLREDUCE"), ("E", None), ("E", None)]  # in place
+    events, t0 = job.record(tmp_path / "tl.json", starts, batched)
 
+    def us(t):
+        return int((t - t0) * 1e6)
 
-def test_a_kept_text_serves_the_first_round_of_a_new_file(tmp_path, monkeypatch):
-    """A timeline started again (every few steps, say) writes its first round from the text already kept,
-    giving the tensors the pids and names the general path would give them."""
-    job = SteadyJob()
-    tlmod._ROUND_TEXTS.clear()
-    job.record(tmp_path / "one.json", 0.0, [1.0, 1.01])
-    kept = []
-    real = Timeline._keep_round_text
-    monkeypatch.setattr(Timeline, "_keep_round_text", lambda self, *a: (kept.append(1), real(self, *a))[1])
-    again = job.record(tmp_path / "two.json", 0.0, [1.0, 1.01])
-    assert kept == []
-    monkeypatch.setattr(Timeline, "_start_steady", lambda self, rec, lines: False)
-    general = job.record(tmp_path / "three.json", 0.0, [1.0, 1.01])
-    assert again[2:] == general[2:]
-    assert {"name": "process_name", "ph": "M", "pid": 4, "args": {"name": "allreduce.big1"}} in again
-
-
-def test_rounds_that_never_repeat_keep_no_text(tmp_path):
-    """New Ready objects every round (as with names that change every step): no text is cut for them."""
-    tlmod._ROUND_TEXTS.clear()
-    tl = Timeline(tmp_path / "tl.json", rank=0, flush_interval_s=3600)
-    for k in range(5):
-        t = 1.0 + 0.01 * k
-        one_round(tl, ["w"], t)
-        tl.buckets([("mpi", False, ["w"], t + 0.001, t + 0.001, t + 0.002, t + 0.003)])
-    tl.close()
-    assert tlmod._ROUND_TEXTS == {}
-    assert [e["name"] for e in events_of(tmp_path / "tl.json") if e.get("ph") == "B"].count("MPI_ALLREDUCE") == 5
-
-
-def test_digits_of_times_of_every_width():
-    rng = np.random.default_rng(0)
-    for width in range(1, 19):
-        low = 10 ** (width - 1) if width > 1 else 0
-        values = np.append(rng.integers(low, 10 ** width, 200, dtype=np.int64), [low, 10 ** width - 1])
-        expected = "".join(str(v) for v in values.tolist()).encode()
-        assert tlmod._digits(values, width).tobytes() == expected
+    pids = {e["args"]["name"]: e["pid"] for e in events if e["ph"] == "M" and e["name"] == "process_name"
+            and e["pid"]}
+    for i, name in enumerate(job.NAMES):
+        j = next(j for j, (names, _) in enumerate(job.BUCKETS) if name in names)
+        fused = job.BUCKETS[j][1]
+        expected = []
+        for t in starts:
+            submitted, at, b = us(t + 1e-4 * i), us(t + 0.001), t + 0.001 + 0.002 * (j + 1)
+            t0_, t1, t2, t3 = us(b), us(b + 3e-4), us(b + 6e-4), us(b + 9e-4)
+            expected += [("B", "NEGOTIATE_ALLREDUCE", submitted), ("X", "0", submitted), ("X", "1", at),
+                         ("E", None, at), ("B", "ALLREDUCE", at), ("B", "QUEUE", at), ("E", None, t0_)]
+            if fused:
+                expected += [("B", "MEMCPY_IN_FUSION_BUFFER", t0_), ("E", None, t1)]
+            expected += [("B", "MPI_ALLREDUCE", t1), ("E", None, t2)]
+            if fused:
+                expected += [("B", "MEMCPY_OUT_FUSION_BUFFER", t2), ("E", None, t3)]
+            expected.append(("E", None, t3))
+        mine = [e for e in events if e.get("pid") == pids[f"allreduce.{name}"] and e["ph"] != "M"]
+        assert [(e["ph"], e.get("name"), e["ts"]) for e in mine] == expected, name
+        assert [e["args"] for e in mine if "args" in e] == [{"dtype": "float32", "shape": f"[{i + 1}, 3]"}] * 4
 
 
 def test_recordings_share_one_writer_thread_and_write_through_a_symlink(tmp_path):
@@ -401,3 +368,22 @@ def test_unwritable_path_is_a_config_error(tmp_path):
 
     with pytest.raises(ConfigError, match="HORA_TIMELINE"):
         Timeline(blocker / "tl.json")
+
+
+def test_the_timeline_and_the_autotuner_have_what_the_engine_calls(tmp_path):
+    """The engine calls its hooks only through the protocols of hora.core.hooks: the implementations keep up."""
+    import typing
+
+    from hora.core import hooks
+    from hora.core.autotune import Autotuner
+
+    tl = Timeline(tmp_path / "tl.json")
+    tl.close()
+    for protocol, implementation in ((hooks.RoundRecorder, tl), (hooks.Tuner, Autotuner)):
+        attributes = set(typing.get_type_hints(protocol))
+        methods = {n for n in vars(protocol) if not n.startswith("_")} - attributes
+        assert methods, protocol
+        for name in methods:
+            assert callable(getattr(implementation, name, None)), (implementation, name)
+        for name in attributes:
+            assert hasattr(implementation, name), (implementation, name)

@@ -10,7 +10,7 @@ import numpy as np
 from hora.cli import main
 from hora.core.negotiation import HEADER, NameCache, Ready, Signature
 from hora.core.ops import CollectiveType, ReduceOp
-from hora.core.timeline import Timeline
+from hora.core.timeline import Bucket, Timeline
 from hora.runner import cli as runner_cli
 from hora.timeline_cli import summarize
 
@@ -31,7 +31,7 @@ def record(path, steps=4, slow_rank=1):
         tl.observe_round(t + 0.001, pending, cache, np.array([0, 0, 0, 1, 1]), HEADER, None, members, [])
         tl.observe_round(t + 0.006, pending, cache, np.array([0, 0, 0, 2, 2]), HEADER, None, members,
                          list(readies.values()))
-        tl.buckets([("gloo", True, ["a", "b"], t + 0.007, t + 0.008, t + 0.018, t + 0.019)])
+        tl.buckets([Bucket("gloo", True, ["a", "b"], t + 0.007, t + 0.008, t + 0.018, t + 0.019)])
         t += 0.02
     tl.close()
 
