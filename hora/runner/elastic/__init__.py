@@ -15,6 +15,7 @@ import logging
 from typing import TextIO
 
 from hora import envvars
+from hora.config import HeartbeatConfig
 from hora.runner.elastic.discovery import FixedHosts, ScriptDiscovery
 from hora.runner.elastic.driver import ElasticDriver, ElasticSettings, route_address
 from hora.runner.elastic.hosts import HostManager
@@ -51,7 +52,8 @@ def run_elastic(config: LaunchConfig, stdout: TextIO, stderr: TextIO, interrupt)
                                reset_limit=config.reset_limit)
     hosts = HostManager(config.blacklist_cooldown_range)
     driver = ElasticDriver(settings, hosts, discovery, spawner, env[envvars.HORA_SECRET], sink, interrupt,
-                           bind_addr=bind, advertise=lambda host: route_address(host, local_addr))
+                           bind_addr=bind, advertise=lambda host: route_address(host, local_addr),
+                           heartbeat=HeartbeatConfig.from_env())
     try:
         return driver.run()
     finally:

@@ -25,6 +25,14 @@ no new worker starts, and the job ends when the others have exited.
 
 The socket speaks :mod:`hora.elastic_wire`: every frame carries an HMAC of
 the job secret, bound to a per-connection nonce.
+
+Host loss in seconds: each worker of a round keeps a ``watch`` connection
+open and beats on it (:mod:`hora.core.elastic.watch`).  A worker silent for
+``HORA_HEARTBEAT_TIMEOUT`` seconds is lost (its host is blacklisted and its
+ssh session killed); and whenever a member of the running round is lost
+(silent, failed, or its host dropped by discovery) the driver sends the
+other members an ``abort`` on their watch connections, so their blocked
+collective ends at once instead of after ``HORA_ELASTIC_COLLECTIVE_TIMEOUT``.
 """
 
 from __future__ import annotations
@@ -41,9 +49,11 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from hora import elastic_wire, envvars
+from hora.config import HeartbeatConfig
 from hora.errors import AuthError, HoraError
 from hora.placement import Placement
 from hora.runner.elastic.hosts import HostManager
+from hora.runner.heartbeat import Liveness, lost_note
 from hora.runner.hostlist import is_local_host
 from hora.runner.launchers.base import Interrupt, JobResult, RankExit, describe_returncode, exit_status
 from hora.runner.output import OutputSink
@@ -145,11 +155,13 @@ class ElasticDriver:
         bind_addr: the address the driver listens on.
         advertise: the driver's address as a host sees it.
         clock: monotonic seconds.
+        heartbeat: the workers' beat interval and the silence after which one is lost.
     """
 
     def __init__(self, settings: ElasticSettings, hosts: HostManager, discovery: Discovery, spawner: Any,
                  secret: str, sink: OutputSink, interrupt: Interrupt, bind_addr: str = "127.0.0.1",
-                 advertise: Callable[[str], str] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 advertise: Callable[[str], str] | None = None, clock: Callable[[], float] = time.monotonic,
+                 heartbeat: HeartbeatConfig | None = None) -> None:
         self.settings = settings
         self.hosts = hosts
         self.discovery = discovery
@@ -159,6 +171,10 @@ class ElasticDriver:
         self.interrupt = interrupt
         self.clock = clock
         self.advertise = advertise or (lambda host: bind_addr)
+        self.heartbeat = heartbeat or HeartbeatConfig()
+        self.liveness = Liveness(self.heartbeat.timeout_s)
+        self._watches: dict[int, tuple[int, elastic_wire.Channel]] = {}  # seq -> (round, channel)
+        self._addrs: dict[int, str] = {}  # seq -> the address the worker reached the driver from
         self.workers: dict[int, Worker] = {}
         self.round = 0
         self.members: list[int] = []
@@ -236,8 +252,30 @@ class ElasticDriver:
                 channel.close()
                 return
             self._requests.put(("join", (seq, join)))
+        elif op == "watch" and seq >= 0:
+            self._follow(seq, int(message.get("round", 0)), channel)
         else:
             channel.close()
+
+    def _follow(self, seq: int, round_: int, channel: elastic_wire.Channel) -> None:
+        """Read one worker's beats until its watch connection ends (runs on the connection's thread)."""
+        with self._lock:
+            old = self._watches.get(seq)
+            self._watches[seq] = (round_, channel)
+        if old is not None:
+            old[1].close()
+        self.liveness.watch(seq)
+        try:
+            while True:
+                channel.recv()
+                self.liveness.beat(seq)
+        except (OSError, elastic_wire.WireError, AuthError):
+            pass
+        with self._lock:
+            if self._watches.get(seq, (0, None))[1] is channel:
+                del self._watches[seq]
+                self.liveness.forget(seq)  # a closed line is the worker leaving the round, not silence
+        channel.close()
 
     # ------------------------------------------------------------- the loop
     def run(self) -> JobResult:
@@ -249,6 +287,7 @@ class ElasticDriver:
                     self._stop_all(signum)
                     return JobResult(exit_code=128 + signum, interrupted_by=signum)
                 self._reap()
+                self._check_heartbeats()
                 self._take_requests()
                 now = self.clock()
                 self._discover(now)
@@ -298,7 +337,7 @@ class ElasticDriver:
             except queue.Empty:
                 return
             worker = self.workers.get(seq)
-            if worker is None:
+            if worker is None or not worker.alive:  # unknown, or already given up as lost
                 continue
             worker.alive, worker.returncode = False, code
             join = self._waiting.pop(seq, None)
@@ -319,6 +358,50 @@ class ElasticDriver:
                 log.warning("worker %d on %s %s", seq, worker.host, describe_returncode(code))
                 if not self.hosts.is_blacklisted(worker.host):  # its other workers going down too is one event
                     self.hosts.blacklist(worker.host)
+                self._abort_round([seq], f"worker {seq} on {worker.host} {describe_returncode(code)}")
+
+    def _check_heartbeats(self) -> None:
+        """Give up on workers whose watch line fell silent: their host is lost."""
+        for seq, silence in self.liveness.newly_lost():
+            worker = self.workers.get(int(seq))  # type: ignore[call-overload]
+            if worker is None or not worker.alive or worker.retired:
+                continue
+            note = lost_note(worker.host, silence, self.heartbeat)
+            log.warning("worker %d: %s", worker.seq, note)
+            lost = [w for w in self.workers.values() if w.host == worker.host and w.alive and not w.retired]
+            for w in lost:
+                w.alive, w.returncode = False, 255
+                join = self._waiting.pop(w.seq, None)
+                if join is not None:
+                    join.channel.close()
+                self.failures.append(RankExit(rank=w.seq, host=w.host, returncode=255, note=note,
+                                              stderr_tail=tuple(self.sink.tail(w.seq))))
+            self.spawner.signal([w.seq for w in lost], signal.SIGKILL)  # its ssh session: no use waiting for it
+            if not self.hosts.is_blacklisted(worker.host):
+                self.hosts.blacklist(worker.host)
+            self._abort_round([w.seq for w in lost], note)
+
+    def _abort_round(self, lost: list[int], reason: str) -> None:
+        """Tell the other members of the running round to leave it now, if any of ``lost`` is a member."""
+        with self._lock:
+            if not any(seq in self.members for seq in lost):
+                return
+            self.news = True
+            round_, members = self.round, list(self.members)
+            watches = dict(self._watches)
+        addrs = sorted({self._addrs[seq] for seq in members if seq in self._addrs})
+        message = {"abort": reason, "round": round_, "addrs": addrs}
+        told = []
+        for seq in members:
+            watch = watches.get(seq)
+            if seq in lost or watch is None or watch[0] != round_:
+                continue
+            try:
+                watch[1].send(message)
+                told.append(seq)
+            except OSError as e:
+                log.debug("elastic driver: could not tell worker %d to leave round %d: %s", seq, round_, e)
+        log.info("round %d aborted (%s); told workers %s", round_, reason, told)
 
     def _take_requests(self) -> None:
         while True:
@@ -357,6 +440,7 @@ class ElasticDriver:
                 join = self._waiting.pop(w.seq, None)
                 if join is not None:
                     self._reply(join, {"stop": "its host left the job"})
+                self._abort_round([w.seq], f"discovery no longer lists {w.host}")
         for w in self.workers.values():
             if w.retired and w.alive and w.retired_at is not None and now - w.retired_at > RETIRE_GRACE_SECONDS:
                 self.spawner.signal([w.seq], signal.SIGTERM if now - w.retired_at < 2 * RETIRE_GRACE_SECONDS
@@ -392,6 +476,7 @@ class ElasticDriver:
             envvars.HORA_ELASTIC_TIMEOUT: f"{self.settings.timeout_s:g}",
             envvars.HORA_HOSTNAME: host, envvars.HOROVOD_PLACEMENT[-1]: host,
             envvars.HORA_RANK: str(provisional_rank), envvars.HOROVOD_PLACEMENT[0]: str(provisional_rank),
+            **self.heartbeat.env(),
         }
         self.spawner.start(seq, host, env)
         return worker
@@ -431,6 +516,7 @@ class ElasticDriver:
             # Rank 0 runs here and reached the driver over loopback: the other hosts need this machine's
             # address towards them, which rank 0's store then listens on.
             stores[members[0].seq] = (self.advertise(remote), port)
+        self._addrs.update({seq: addr for seq, (addr, _) in stores.items()})  # where its peers reach it
         placement = assign(members, stores, round_)
         with self._lock:
             self.round = round_
@@ -497,6 +583,10 @@ class ElasticDriver:
         for join in self._waiting.values():
             join.channel.close()
         self._waiting.clear()
+        with self._lock:
+            watches, self._watches = list(self._watches.values()), {}
+        for _, channel in watches:
+            channel.close()
 
 
 def route_address(host: str, fallback: str) -> str:

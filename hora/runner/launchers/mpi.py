@@ -64,6 +64,8 @@ class HostWatchLike(Protocol):
     def lost(self) -> list[tuple[str, str]]: ...
 #: How long mpirun gets to tear the job down itself after a rank failed.
 MPIRUN_TEARDOWN_SECONDS = 5.0
+#: How long mpirun gets to end by itself after a host was lost (it would wait on that host's daemon).
+LOST_HOST_TEARDOWN_SECONDS = 1.0
 
 
 def mpirun_path(environ: Mapping[str, str] | None = None) -> str | None:
@@ -341,10 +343,11 @@ class ToolSupervisor:
                                             stderr_tail=tuple(self.sink.tail(rank)), note=note)
                 self.root_cause = self.root_cause or self.exits[rank]
             if self.root_cause is not None:
-                # mpirun would wait on the lost host's daemon: terminate it now, kill it after the grace period.
+                # mpirun would wait on the lost host's daemon: terminate it now, kill it a second later (the
+                # daemons on the other hosts end their ranks when mpirun's connection to them closes).
                 self.escalation = 1
                 self.proc.send_signal(signal.SIGTERM)
-                self.deadline = time.monotonic() + min(self.grace, MPIRUN_TEARDOWN_SECONDS)
+                self.deadline = time.monotonic() + min(self.grace, LOST_HOST_TEARDOWN_SECONDS)
 
     def _take_markers(self, timeout: float) -> None:
         try:
