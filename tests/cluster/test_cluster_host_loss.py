@@ -17,29 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from hora.testing.partition import cut, restore
+
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 SCRIPTS = Path(__file__).parent / "scripts"
 LOOP = SCRIPTS / "allreduce_loop.py"
-
-
-def _veth(cluster, host: str) -> tuple[str, str]:
-    number = [h.name for h in cluster.hosts].index(host) + 1
-    return f"hora{cluster.index}v{number}", f"hora{cluster.index}br"
-
-
-def cut(cluster, host: str) -> None:
-    """Take ``host``'s link off the bridge and down: its packets stop, nobody is told."""
-    veth, _ = _veth(cluster, host)
-    subprocess.run(["ip", "link", "set", veth, "nomaster"], check=True, timeout=30)
-    subprocess.run(["ip", "link", "set", veth, "down"], check=True, timeout=30)
-
-
-def restore(cluster, host: str) -> None:
-    """Put ``host``'s link back on the bridge."""
-    veth, bridge = _veth(cluster, host)
-    subprocess.run(["ip", "link", "set", veth, "master", bridge], check=True, timeout=30)
-    subprocess.run(["ip", "link", "set", veth, "up"], check=True, timeout=30)
 
 
 def wait_for_steps(job: subprocess.Popen, ranks: int, timeout: float) -> None:
@@ -150,3 +133,30 @@ def test_elastic_survivors_train_again_within_15_s_of_a_silent_host_loss(cluster
     assert sorted(w["host"] for w in survivors) == ["h1", "h2"], survivors
     assert len({w["digest"] for w in survivors}) == 1, survivors
     print(f"elastic ({hosts}): survivors stepped {recovered:.2f} s after the cut")
+
+
+PS_LOOP = SCRIPTS / "ps_loop.py"
+
+
+@pytest.mark.timeout(400)
+def test_ps_workers_raise_peer_lost_naming_the_cut_server_host_within_the_ps_timeout(cluster, popen_on_h1):
+    job = popen_on_h1("-n", "2", "-s", "1", "-H", "h1:1,h2:1", "--server-hosts", "h3", "--launcher", "ssh",
+                      "--env", "HORA_PS_TIMEOUT=5", "--env", "HORA_PS_HEARTBEAT_INTERVAL=1", "python", str(PS_LOOP))
+    try:
+        pushing = 0
+        for line in job.stdout:  # type: ignore[union-attr]
+            pushing += "<stdout>:pushing " in line
+            if pushing == 2:
+                break
+        time.sleep(1.0)
+        cut_at = time.time()
+        cut(cluster, "h3")
+        stdout, stderr = job.communicate(timeout=60)
+    finally:
+        restore(cluster, "h3")
+    lost = [line.split("<stdout>:", 1)[1] for line in stdout.splitlines() if "<stdout>:lost at " in line]
+    assert len(lost) == 2, stdout + stderr[-3000:]
+    for line in lost:
+        assert "server 0" in line and "h3" in line and "was lost" in line, line
+        assert float(line.split()[2]) - cut_at <= 5 + 3, line  # HORA_PS_TIMEOUT, and a beat's slack
+    assert job.returncode != 0
