@@ -62,6 +62,7 @@ def test_a_host_cut_off_ends_the_job_within_15_s_naming_it(cluster, popen_on_h1,
     assert left["h1"] == [] and left["h2"] == [], left
     # h3's agent heard nothing either, and stopped what it ran there on its own.
     assert leftovers()["h3"] == []
+    print(f"{controller}: hora run ended {elapsed:.2f} s after the cut")
 
 
 @pytest.mark.timeout(400)
@@ -159,4 +160,5 @@ def test_ps_workers_raise_peer_lost_naming_the_cut_server_host_within_the_ps_tim
     for line in lost:
         assert "server 0" in line and "h3" in line and "was lost" in line, line
         assert float(line.split()[2]) - cut_at <= 5 + 3, line  # HORA_PS_TIMEOUT, and a beat's slack
+        print(f"PS worker raised PeerLostError {float(line.split()[2]) - cut_at:.2f} s after the cut: {line}")
     assert job.returncode != 0

@@ -1,11 +1,11 @@
-"""An elastic worker's standing line to the driver: heartbeats out, "leave the ring now" in.
+"""An elastic worker's standing line to the driver, on which the driver says "leave the ring now".
 
 After each rendezvous the worker opens one more authenticated connection to
-the driver (:mod:`hora.elastic_wire`), says which round it runs in, and from
-then on beats every ``HORA_HEARTBEAT_INTERVAL`` seconds; a host whose workers
-fall silent for ``HORA_HEARTBEAT_TIMEOUT`` seconds is lost to the driver.
-When the driver decides a member of the round is gone (silent, failed, or its
-host dropped by discovery) it sends the survivors ``{"abort": reason, "round",
+the driver (:mod:`hora.elastic_wire`) and says which round it runs in.  The
+driver watches each remote host with its own beat-only agent (a worker
+cannot be the one to beat: while gloo connects it holds Python's GIL for
+seconds).  When the driver decides a member of the round is gone (its host
+stopped answering, or discovery dropped it) it sends the survivors ``{"abort": reason, "round",
 "addrs"}`` on this line.  A collective blocked on a vanished peer would wait
 for gloo's timeout (``HORA_ELASTIC_COLLECTIVE_TIMEOUT``); instead the worker
 shuts down (``shutdown(2)``, the descriptors stay gloo's) its TCP
@@ -25,7 +25,7 @@ import threading
 from collections.abc import Collection
 
 from hora import elastic_wire
-from hora.config import ElasticConfig, HeartbeatConfig
+from hora.config import ElasticConfig
 from hora.errors import AuthError
 
 log = logging.getLogger(__name__)
@@ -70,39 +70,21 @@ class DriverWatch:
 
     Args:
         config: the worker's elastic config (driver address, id, secret).
-        heartbeat: beat interval.
         round_: the round this worker now runs in.
         keep_ports: ports whose connections an abort leaves open (the round's store).
     """
 
-    def __init__(self, config: ElasticConfig, heartbeat: HeartbeatConfig, round_: int,
-                 keep_ports: Collection[int] = ()) -> None:
+    def __init__(self, config: ElasticConfig, round_: int, keep_ports: Collection[int] = ()) -> None:
         self.config = config
         self.round = round_
         self.keep_ports = {int(config.driver_port or 0), *keep_ports}
         self.aborted: str | None = None
         self._stopped = threading.Event()
-        self._send_lock = threading.Lock()
         self._channel = elastic_wire.connect(str(config.driver_addr), int(config.driver_port or 0),
                                              str(config.secret), timeout=30.0)
         self._channel.sock.settimeout(None)
-        self._send({"op": "watch", "worker": config.worker_id, "round": round_})
-        self._interval = heartbeat.interval_s
-        threading.Thread(target=self._beat, name="hora-elastic-beat", daemon=True).start()
+        self._channel.send({"op": "watch", "worker": config.worker_id, "round": round_})
         threading.Thread(target=self._listen, name="hora-elastic-watch", daemon=True).start()
-
-    def _send(self, message: dict) -> None:
-        with self._send_lock:
-            self._channel.send(message)
-
-    def _beat(self) -> None:
-        count = 0
-        while not self._stopped.wait(self._interval):
-            count += 1
-            try:
-                self._send({"beat": count})
-            except OSError:
-                return
 
     def _listen(self) -> None:
         while not self._stopped.is_set():
@@ -110,22 +92,34 @@ class DriverWatch:
                 message = self._channel.recv()
             except (OSError, elastic_wire.WireError, AuthError):
                 return
-            if "abort" in message and int(message.get("round", -1)) == self.round and not self._stopped.is_set():
+            if "abort" not in message or int(message.get("round", -1)) != self.round:
+                continue
+            # Under the lock, and only while this is still the running round's watch: once follow() has
+            # replaced it, the next round's connections exist or are being made, and must not be cut.
+            with _switch:
+                if self._stopped.is_set():
+                    return
                 self.aborted = str(message["abort"])
                 shut = shut_connections(set(message.get("addrs", ())), self.keep_ports)
-                log.warning("elastic round %d aborted by the driver: %s; %d connection(s) shut down",
-                            self.round, self.aborted, shut)
+            log.warning("elastic round %d aborted by the driver: %s; %d connection(s) shut down",
+                        self.round, self.aborted, shut)
 
     def close(self) -> None:
-        """Stop beating and close the connection (the driver then stops watching this worker)."""
+        """Close the line (shut down first: the listener thread blocked in ``recv`` must not keep it open)."""
         self._stopped.set()
+        try:
+            self._channel.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._channel.close()
 
 
 _watch: DriverWatch | None = None
+#: Held while an abort shuts connections and while follow() retires the previous round's watch.
+_switch = threading.Lock()
 
 
-def follow(config: ElasticConfig, heartbeat: HeartbeatConfig, round_: int, store_port: int) -> None:
+def follow(config: ElasticConfig, round_: int, store_port: int) -> None:
     """Replace the previous round's watch by one for ``round_``; a driver that cannot be reached is only logged.
 
     The watch is a fast path: without it a vanished peer is still given up
@@ -134,15 +128,16 @@ def follow(config: ElasticConfig, heartbeat: HeartbeatConfig, round_: int, store
     global _watch
     stop()
     try:
-        _watch = DriverWatch(config, heartbeat, round_, keep_ports=(store_port,))
+        _watch = DriverWatch(config, round_, keep_ports=(store_port,))
     except (OSError, elastic_wire.WireError, AuthError) as e:
-        log.warning("no heartbeat line to the elastic driver (%s): a lost host is noticed only after "
+        log.warning("no watch line to the elastic driver (%s): a lost host is given up only after "
                     "HORA_ELASTIC_COLLECTIVE_TIMEOUT", e)
 
 
 def stop() -> None:
     """Close the current watch, if any."""
     global _watch
-    if _watch is not None:
-        _watch.close()
-        _watch = None
+    with _switch:
+        if _watch is not None:
+            _watch.close()
+            _watch = None

@@ -24,7 +24,7 @@ import socket
 from collections.abc import Mapping
 
 from hora import elastic_wire, envvars
-from hora.config import ElasticConfig, HeartbeatConfig
+from hora.config import ElasticConfig
 from hora.core.elastic import watch
 from hora.errors import TopologyError
 from hora.placement import Placement
@@ -110,7 +110,7 @@ def rendezvous(config: ElasticConfig, env: Mapping[str, str]) -> dict[str, str]:
         raise WorkerRetired(reason)
     a = Assignment(**{f.name: reply[f.name] for f in dataclasses.fields(Assignment)})
     _current = a
-    watch.follow(config, HeartbeatConfig.from_env(env), a.round, a.store_port)  # beats; the driver's aborts
+    watch.follow(config, a.round, a.store_port)  # the line the driver's aborts come on
     log.info("elastic round %d: rank %d of %d on %s", a.round, a.rank, a.size, a.host)
     return {**env, **a.env()}
 

@@ -26,13 +26,19 @@ no new worker starts, and the job ends when the others have exited.
 The socket speaks :mod:`hora.elastic_wire`: every frame carries an HMAC of
 the job secret, bound to a per-connection nonce.
 
-Host loss in seconds: each worker of a round keeps a ``watch`` connection
-open and beats on it (:mod:`hora.core.elastic.watch`).  A worker silent for
-``HORA_HEARTBEAT_TIMEOUT`` seconds is lost (its host is blacklisted and its
-ssh session killed); and whenever a member of the running round is lost
-(silent, failed, or its host dropped by discovery) the driver sends the
-other members an ``abort`` on their watch connections, so their blocked
-collective ends at once instead of after ``HORA_ELASTIC_COLLECTIVE_TIMEOUT``.
+Host loss in seconds: every remote host with workers is watched by a
+beat-only agent over ssh (``host_watch``, the ssh launcher's
+:class:`~hora.runner.launchers.ssh.HostWatch`); a host silent for
+``HORA_HEARTBEAT_TIMEOUT`` seconds is lost: its workers count as failed, it
+is blacklisted and their ssh sessions are killed.  Each worker of a round
+keeps a ``watch`` connection to the driver open
+(:mod:`hora.core.elastic.watch`), and when a member of the running round is
+lost that way, or its host is dropped by discovery, the driver sends the
+other members an ``abort`` on it, so their blocked collective ends at once
+instead of after ``HORA_ELASTIC_COLLECTIVE_TIMEOUT``.  A worker that exits
+needs no abort: its connections close with it and the others' collectives
+fail within milliseconds (shutting the connections of an engine that is
+already going down is what must not happen).
 """
 
 from __future__ import annotations
@@ -49,11 +55,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from hora import elastic_wire, envvars
-from hora.config import HeartbeatConfig
 from hora.errors import AuthError, HoraError
 from hora.placement import Placement
 from hora.runner.elastic.hosts import HostManager
-from hora.runner.heartbeat import Liveness, lost_note
 from hora.runner.hostlist import is_local_host
 from hora.runner.launchers.base import Interrupt, JobResult, RankExit, describe_returncode, exit_status
 from hora.runner.output import OutputSink
@@ -155,13 +159,14 @@ class ElasticDriver:
         bind_addr: the address the driver listens on.
         advertise: the driver's address as a host sees it.
         clock: monotonic seconds.
-        heartbeat: the workers' beat interval and the silence after which one is lost.
+        host_watch: tells which remote hosts stopped answering (``watch(host)``, ``lost()``); None: no
+            host-loss detection beyond ssh's own keep-alive.
     """
 
     def __init__(self, settings: ElasticSettings, hosts: HostManager, discovery: Discovery, spawner: Any,
                  secret: str, sink: OutputSink, interrupt: Interrupt, bind_addr: str = "127.0.0.1",
                  advertise: Callable[[str], str] | None = None, clock: Callable[[], float] = time.monotonic,
-                 heartbeat: HeartbeatConfig | None = None) -> None:
+                 host_watch: Any = None) -> None:
         self.settings = settings
         self.hosts = hosts
         self.discovery = discovery
@@ -171,8 +176,7 @@ class ElasticDriver:
         self.interrupt = interrupt
         self.clock = clock
         self.advertise = advertise or (lambda host: bind_addr)
-        self.heartbeat = heartbeat or HeartbeatConfig()
-        self.liveness = Liveness(self.heartbeat.timeout_s)
+        self.host_watch = host_watch
         self._watches: dict[int, tuple[int, elastic_wire.Channel]] = {}  # seq -> (round, channel)
         self._addrs: dict[int, str] = {}  # seq -> the address the worker reached the driver from
         self.workers: dict[int, Worker] = {}
@@ -258,23 +262,20 @@ class ElasticDriver:
             channel.close()
 
     def _follow(self, seq: int, round_: int, channel: elastic_wire.Channel) -> None:
-        """Read one worker's beats until its watch connection ends (runs on the connection's thread)."""
+        """Keep one worker's watch line until it ends (runs on the connection's thread)."""
         with self._lock:
             old = self._watches.get(seq)
             self._watches[seq] = (round_, channel)
         if old is not None:
             old[1].close()
-        self.liveness.watch(seq)
         try:
             while True:
-                channel.recv()
-                self.liveness.beat(seq)
+                channel.recv()  # the worker says nothing more; this only notices the end
         except (OSError, elastic_wire.WireError, AuthError):
             pass
         with self._lock:
             if self._watches.get(seq, (0, None))[1] is channel:
                 del self._watches[seq]
-                self.liveness.forget(seq)  # a closed line is the worker leaving the round, not silence
         channel.close()
 
     # ------------------------------------------------------------- the loop
@@ -358,17 +359,14 @@ class ElasticDriver:
                 log.warning("worker %d on %s %s", seq, worker.host, describe_returncode(code))
                 if not self.hosts.is_blacklisted(worker.host):  # its other workers going down too is one event
                     self.hosts.blacklist(worker.host)
-                self._abort_round([seq], f"worker {seq} on {worker.host} {describe_returncode(code)}")
 
     def _check_heartbeats(self) -> None:
-        """Give up on workers whose watch line fell silent: their host is lost."""
-        for seq, silence in self.liveness.newly_lost():
-            worker = self.workers.get(int(seq))  # type: ignore[call-overload]
-            if worker is None or not worker.alive or worker.retired:
+        """Give up on the workers of hosts that stopped answering."""
+        for host, note in self.host_watch.lost() if self.host_watch is not None else ():
+            lost = [w for w in self.workers.values() if w.host == host and w.alive and not w.retired]
+            if not lost:
                 continue
-            note = lost_note(worker.host, silence, self.heartbeat)
-            log.warning("worker %d: %s", worker.seq, note)
-            lost = [w for w in self.workers.values() if w.host == worker.host and w.alive and not w.retired]
+            log.warning("%s", note)
             for w in lost:
                 w.alive, w.returncode = False, 255
                 join = self._waiting.pop(w.seq, None)
@@ -377,8 +375,8 @@ class ElasticDriver:
                 self.failures.append(RankExit(rank=w.seq, host=w.host, returncode=255, note=note,
                                               stderr_tail=tuple(self.sink.tail(w.seq))))
             self.spawner.signal([w.seq for w in lost], signal.SIGKILL)  # its ssh session: no use waiting for it
-            if not self.hosts.is_blacklisted(worker.host):
-                self.hosts.blacklist(worker.host)
+            if not self.hosts.is_blacklisted(host):
+                self.hosts.blacklist(host)
             self._abort_round([w.seq for w in lost], note)
 
     def _abort_round(self, lost: list[int], reason: str) -> None:
@@ -476,9 +474,10 @@ class ElasticDriver:
             envvars.HORA_ELASTIC_TIMEOUT: f"{self.settings.timeout_s:g}",
             envvars.HORA_HOSTNAME: host, envvars.HOROVOD_PLACEMENT[-1]: host,
             envvars.HORA_RANK: str(provisional_rank), envvars.HOROVOD_PLACEMENT[0]: str(provisional_rank),
-            **self.heartbeat.env(),
         }
         self.spawner.start(seq, host, env)
+        if self.host_watch is not None:
+            self.host_watch.watch(host)
         return worker
 
     def _try_form(self, now: float) -> JobResult | None:

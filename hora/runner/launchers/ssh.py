@@ -465,33 +465,46 @@ class _SshSupervisor(Supervisor):
 
 
 class HostWatch:
-    """Agents that start nothing and only beat: liveness of the hosts a tool such as mpirun reaches by itself.
+    """Agents that start nothing and only beat: liveness of hosts whose processes hora does not start itself.
 
-    Each remote host gets an agent over ssh in watch mode; the handshake runs
-    on a thread, so the job starts without waiting for it.  A host whose
-    agent cannot be started is not watched (the tool reports it itself).
-    :meth:`lost` says which hosts stopped answering since the last call.
+    mpirun starts its ranks, and the elastic driver starts its workers over
+    plain ssh; a separate agent per remote host, in watch mode, gives both
+    the ssh launcher's heartbeats.  Being its own process, it beats however
+    busy the host's workers are (a worker holding Python's GIL while gloo
+    connects cannot beat for itself).  The handshake runs on a thread, so the
+    job starts without waiting for it; a host whose agent cannot be started is
+    not watched (what runs there fails on its own).  :meth:`lost` says which
+    hosts stopped answering since the last call.
     """
 
     def __init__(self, hosts: Sequence[str], ssh: SshOptions, heartbeat: HeartbeatConfig,
                  path: str | None = None) -> None:
         self.heartbeat = heartbeat
+        self.ssh = ssh
+        self.path = path
         self.liveness = Liveness(heartbeat.timeout_s)
         self.events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         self.agents: dict[str, _Agent] = {}
         self._lost: queue.Queue[tuple[str, str]] = queue.Queue()
         self._closed = threading.Event()
         for host in dict.fromkeys(hosts):
-            if is_local_host(host):
-                continue
-            try:
-                self.agents[host] = _Agent(host, False, ssh.command(host, agent_command(path)), self.events)
-            except LaunchError as e:
-                logger.warning("cannot watch %s: %s", host, e)
+            self.watch(host)
         self.beater = Beater(self._watched, lambda a: a.send(op="beat"), heartbeat.interval_s,  # type: ignore[attr-defined]
                              name="hora-hostwatch-beat").start()
         self._thread = threading.Thread(target=self._run, name="hora-hostwatch", daemon=True)
         self._thread.start()
+
+    def watch(self, host: str) -> None:
+        """Start watching ``host`` (again, if its agent ended); this machine is never watched."""
+        if is_local_host(host) or self._closed.is_set():
+            return
+        agent = self.agents.get(host)
+        if agent is not None and agent.proc.poll() is None:
+            return
+        try:
+            self.agents[host] = _Agent(host, False, self.ssh.command(host, agent_command(self.path)), self.events)
+        except LaunchError as e:
+            logger.warning("cannot watch %s: %s", host, e)
 
     def _watched(self) -> list[_Agent]:
         return [a for h, a in self.agents.items() if h in self.liveness.heard]
@@ -502,6 +515,8 @@ class HostWatch:
                 host, record = self.events.get(timeout=0.2)
             except queue.Empty:
                 host, record = "", {}
+            if host and self.agents.get(host) is None:
+                continue
             if "hello" in record:
                 self.agents[host].send(op="spec", cwd="/", env={}, processes=[], watch=True,
                                        heartbeat=[self.heartbeat.interval_s, self.heartbeat.timeout_s])
