@@ -334,10 +334,11 @@ class ElasticConfig:
 class HeartbeatConfig:
     """How fast a launcher or the elastic driver notices a host that stopped answering.
 
-    Every host's agent (and every elastic worker) sends a beat each
-    ``interval_s`` seconds over its authenticated channel (the ssh session,
-    the driver's HMAC'd socket), and the launcher sends one back; a side that
-    has heard nothing for ``timeout_s`` seconds counts the other as lost.
+    Every host's agent (the ssh launcher's, and the beat-only ones that
+    watch the hosts of ``--mpi`` and elastic jobs) sends a beat each
+    ``interval_s`` seconds over its ssh session, and the launcher sends one
+    back; a side that has heard nothing for ``timeout_s`` seconds counts the
+    other as lost.
     The default deadline (8 s) is about twice the longest gap a 3 s link
     blip causes once TCP's retransmission back-off is counted, and 8 times
     the interval, which kept the false-alarm count at zero on a loaded
@@ -365,11 +366,6 @@ class HeartbeatConfig:
             interval_s=_as_float(env, (envvars.HORA_HEARTBEAT_INTERVAL,), 1.0),
             timeout_s=_as_float(env, (envvars.HORA_HEARTBEAT_TIMEOUT,), 8.0),
         )
-
-    def env(self) -> dict[str, str]:
-        """The variables that carry this config to another process (elastic workers)."""
-        return {envvars.HORA_HEARTBEAT_INTERVAL: f"{self.interval_s:g}",
-                envvars.HORA_HEARTBEAT_TIMEOUT: f"{self.timeout_s:g}"}
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

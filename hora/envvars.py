@@ -89,7 +89,7 @@ HOROVOD_ELASTIC_TIMEOUT = "HOROVOD_ELASTIC_TIMEOUT"
 #: neither answers nor closes its connections (a host that vanished) before it raises
 HORA_ELASTIC_COLLECTIVE_TIMEOUT = "HORA_ELASTIC_COLLECTIVE_TIMEOUT"
 
-#: host-loss heartbeats (launchers' agents and the elastic driver's workers): seconds between beats, and the
+#: host-loss heartbeats (the launchers' per-host agents over ssh): seconds between beats, and the
 #: silence after which a host counts as lost (see :class:`hora.config.HeartbeatConfig`)
 HORA_HEARTBEAT_INTERVAL = "HORA_HEARTBEAT_INTERVAL"
 HORA_HEARTBEAT_TIMEOUT = "HORA_HEARTBEAT_TIMEOUT"

@@ -2,10 +2,10 @@
 
 A host that vanishes (power, a reclaimed spot instance, a dead switch port)
 closes no socket: its packets just stop, and TCP on the other side waits for
-minutes.  Every channel hora already holds to a host (the ssh session of a
-host's agent, an elastic worker's socket to the driver, both authenticated)
-therefore carries a beat each :attr:`HeartbeatConfig.interval_s`; anything
-received counts.  :class:`Liveness` is the bookkeeping (pure, with an
+minutes.  The authenticated channel hora already holds to each host, the ssh session
+of the host's agent (which starts the host's processes, or under ``--mpi``
+and for the elastic driver only beats), therefore carries a beat each
+:attr:`HeartbeatConfig.interval_s`; anything received counts.  :class:`Liveness` is the bookkeeping (pure, with an
 injectable clock, unit-tested); :class:`Beater` is the thread that sends the
 launcher's own beats.  A host silent for :attr:`HeartbeatConfig.timeout_s`
 is *lost*: the launcher ends a fixed job naming it, and the elastic driver

@@ -76,7 +76,6 @@ def test_heartbeat_config_reads_the_environment_and_refuses_a_deadline_under_two
     assert HeartbeatConfig.from_env({}) == HeartbeatConfig(interval_s=1.0, timeout_s=8.0)
     config = HeartbeatConfig.from_env({"HORA_HEARTBEAT_INTERVAL": "0.5", "HORA_HEARTBEAT_TIMEOUT": "3"})
     assert (config.interval_s, config.timeout_s) == (0.5, 3.0)
-    assert HeartbeatConfig.from_env(config.env()) == config
     with pytest.raises(ConfigError, match="HORA_HEARTBEAT_TIMEOUT=1 at least twice"):
         HeartbeatConfig(interval_s=1.0, timeout_s=1.0)
     with pytest.raises(ConfigError, match="HORA_HEARTBEAT_INTERVAL"):
