@@ -196,3 +196,19 @@ def test_a_tool_whose_host_is_lost_is_stopped_and_the_report_names_the_host():
     assert result.exit_code == 255
     assert result.root_cause is not None and result.root_cause.host == "h3" and result.root_cause.rank == 2
     assert "lost: h3 stopped answering" in result.root_cause.describe()
+
+
+@pytest.mark.timeout(60)
+def test_beats_keep_a_ready_agent_waiting_for_the_start_past_the_deadline(agent):
+    agent.records("hello", 20)
+    agent.send(op="spec", cwd=os.getcwd(), env={}, grace=0.5, heartbeat=[0.2, 1.0], processes=[
+        {"key": "0", "argv": [sys.executable, "-c", "print('ran')"], "env": {}},
+    ])
+    agent.records("ready", 20)
+    until = time.monotonic() + 2.5  # another host is slow to get ready: the launcher only beats
+    while time.monotonic() < until:
+        agent.send(op="beat")
+        time.sleep(0.2)
+    agent.send(op="start")
+    assert agent.records("exit", 20)[-1]["exit"] == {"key": "0", "returncode": 0}
+    assert agent.proc.wait(timeout=10) == 0

@@ -310,6 +310,10 @@ class SshLauncher(Launcher):
             ]
             agent.send(op="spec", cwd=self.cwd, env=common, processes=processes, grace=config.grace_period,
                        heartbeat=[self.heartbeat.interval_s, self.heartbeat.timeout_s])
+        # From the spec on, an agent counts the launcher's silence: beat while the slowest host gets ready too.
+        agents = dict(self.agents)
+        self.beater = Beater(lambda: agents.values(), lambda a: a.send(op="beat"),  # type: ignore[attr-defined]
+                             self.heartbeat.interval_s).start()
         self._wait_until_ready()
         liveness = Liveness(self.heartbeat.timeout_s)
         for host, agent in self.agents.items():
@@ -318,9 +322,6 @@ class SshLauncher(Launcher):
             agent.liveness = liveness
         for agent in self.agents.values():
             agent.send(op="start")
-        agents = dict(self.agents)
-        self.beater = Beater(lambda: agents.values(), lambda a: a.send(op="beat"),  # type: ignore[attr-defined]
-                             self.heartbeat.interval_s).start()
         supervisor = _SshSupervisor(self.agents, self.events, slots, sink, interrupt, config)
         supervisor.watch(liveness, self.heartbeat)
         return supervisor.run()
