@@ -313,8 +313,10 @@ class ToolSupervisor:
             self._check_hosts()
             if self.deadline is not None and time.monotonic() >= self.deadline:
                 self._escalate()
+        # After a lost host, mpirun's ssh to it may hold the pipes open: the last lines get a short wait only.
+        lost_host = self.root_cause is not None and self.root_cause.note.startswith("lost:")
         for thread in self.pumps:
-            thread.join(2.0)
+            thread.join(0.5 if lost_host else 2.0)
         self._take_markers(timeout=0)
         return self._result()
 

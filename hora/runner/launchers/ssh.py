@@ -548,7 +548,8 @@ class HostWatch:
         """Stop watching: every agent's session ends (closed, or killed after a few seconds)."""
         self._closed.set()
         self.beater.stop()
-        threads = [threading.Thread(target=a.close, args=(3.0,), daemon=True) for a in self.agents.values()]
+        # A watch agent runs nothing: it exits as soon as its stdin closes, or its ssh is killed after 1 s.
+        threads = [threading.Thread(target=a.close, args=(1.0,), daemon=True) for a in self.agents.values()]
         for thread in threads:
             thread.start()
         for thread in threads:
