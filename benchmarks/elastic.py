@@ -21,6 +21,16 @@ restarts all 4.  Run::
 
     python benchmarks/elastic.py                # both, prints a table
     python benchmarks/elastic.py --json out.json
+
+``--host-loss`` measures the other failure, a host that vanishes without a
+word: 3 hosts of an emulated cluster (:mod:`hora.testing.emulate`, needs
+root), one rank each, ``-H h1:1,h2:1,h3:1 --min-np 2``; at step
+``--kill-step`` h3's link is cut (:func:`hora.testing.partition.cut`: no FIN,
+no RST).  Recovery runs from the cut to the first step a survivor completes
+afterwards; the driver notices the silence after ``HORA_HEARTBEAT_TIMEOUT``
+and tells the survivors to leave the ring::
+
+    python benchmarks/elastic.py --host-loss
 """
 
 from __future__ import annotations
@@ -230,6 +240,52 @@ def run_torchrun(args, env: dict[str, str]) -> dict[str, float]:
         "ddp", args, env)
 
 
+def run_host_loss(args, env: dict[str, str]) -> dict[str, float]:
+    """hora on 3 emulated hosts, h3's link cut at step ``--kill-step`` (see the module docstring)."""
+    from hora.testing.emulate import EmulatedCluster
+    from hora.testing.partition import cut, restore
+
+    logdir = tempfile.mkdtemp(prefix="hora-hostloss-bench-")
+    os.chmod(logdir, 0o777)
+    with EmulatedCluster(3) as cluster:
+        cmd = [sys.executable, "-m", "hora.runner.cli", "run", "--ssh-config-file", cluster.ssh_config, "-np", "3",
+               "--min-np", "2", "--max-np", "3", "-H", "h1:1,h2:1,h3:1", sys.executable, __file__, "--worker",
+               "hora", *_worker_args(args, logdir)]
+        start = time.time()
+        proc = cluster.popen("h1", cmd, cwd=str(REPO), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+        try:
+            deadline = time.monotonic() + args.timeout
+            while _last_step(logdir) < args.kill_step:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"the job ended or stalled before step {args.kill_step}")
+                time.sleep(0.05)
+            with open(os.path.join(logdir, "killed"), "w") as f:
+                f.write(f"{time.time():.6f}")
+            cut(cluster, "h3")
+            _, stderr = proc.communicate(timeout=args.timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            restore(cluster, "h3")
+    if proc.returncode != 0:
+        raise SystemExit(f"host-loss job failed ({proc.returncode}):\n{stderr[-3000:]}")
+    out = _analyse(logdir, "hora", args.commit_every)
+    out["wall_s"] = time.time() - start
+    shutil.rmtree(logdir, ignore_errors=True)
+    return out
+
+
+def _last_step(logdir: str) -> int:
+    last = 0
+    for path in glob.glob(os.path.join(logdir, "steps.*.hora")):
+        with open(path) as f:
+            lines = f.read().splitlines()
+        if lines and len(lines[-1].split()) == 4:
+            last = max(last, int(lines[-1].split()[1]))
+    return last
+
+
 def _worker_args(args, logdir: str) -> list[str]:
     return ["--logdir", logdir, "--steps", str(args.steps), "--kill-step", str(args.kill_step),
             "--commit-every", str(args.commit_every), "--batch", str(args.batch), "--lr", str(args.lr)]
@@ -247,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900, help="seconds each job may take")
     p.add_argument("--only", choices=["hora", "torchrun"], help="run one of the two")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--host-loss", action="store_true",
+                   help="hora only: 3 emulated hosts, h3's link cut at --kill-step (needs root)")
     args = p.parse_args(argv)
     if args.worker == "hora":
         worker_hora(args)
@@ -257,17 +315,21 @@ def main(argv: list[str] | None = None) -> int:
     env = _clean_env()
     results: dict[str, dict[str, float]] = {}
     load = os.getloadavg()[0]
-    if args.only in (None, "hora"):
+    if args.host_loss:
+        results["hora host loss"] = run_host_loss(args, env)
+    elif args.only in (None, "hora"):
         results["hora"] = run_hora(args, env)
-    if args.only in (None, "torchrun"):
+    if args.only in (None, "torchrun") and not args.host_loss:
         results["torchrun"] = run_torchrun(args, env)
-    print(f"elastic recovery, 4 local ranks, MLP 784-{HIDDEN}-{HIDDEN}-10, commit every {args.commit_every} steps, "
-          f"rank 3 killed at step {args.kill_step}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+    what = "h3 of 3 emulated hosts cut off (no FIN/RST)" if args.host_loss else "rank 3 killed"
+    print(f"elastic recovery ({what}), {3 if args.host_loss else 4} ranks, MLP 784-{HIDDEN}-{HIDDEN}-10, "
+          f"commit every {args.commit_every} steps, "
+          f"at step {args.kill_step}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
           f"1-min load {load:.1f} -> {os.getloadavg()[0]:.1f}")
-    print(f"{'':10}{'recovery s':>12}{'steps lost':>12}{'resumed at':>12}{'loss step 1':>13}{'loss at kill':>14}"
+    print(f"{'':15}{'recovery s':>12}{'steps lost':>12}{'resumed at':>12}{'loss step 1':>13}{'loss at kill':>14}"
           f"{'loss resumed':>14}{'same step, 1st run':>20}{'wall s':>9}")
     for name, r in results.items():
-        print(f"{name:10}{r['recovery_s']:12.2f}{r['steps_lost']:12d}{r['resumed_at_step']:12d}"
+        print(f"{name:15}{r['recovery_s']:12.2f}{r['steps_lost']:12d}{r['resumed_at_step']:12d}"
               f"{r['loss_at_step_1']:13.4f}{r['loss_before_kill']:14.4f}{r['loss_after_resume']:14.4f}"
               f"{r['loss_same_step_first_run']:20.4f}{r['wall_s']:9.1f}")
     if "hora" in results and "torchrun" in results:

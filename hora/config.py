@@ -330,6 +330,44 @@ class ElasticConfig:
         )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class HeartbeatConfig:
+    """How fast a launcher or the elastic driver notices a host that stopped answering.
+
+    Every host's agent (the ssh launcher's, and the beat-only ones that
+    watch the hosts of ``--mpi`` and elastic jobs) sends a beat each
+    ``interval_s`` seconds over its ssh session, and the launcher sends one
+    back; a side that has heard nothing for ``timeout_s`` seconds counts the
+    other as lost.
+    The default deadline (8 s) is about twice the longest gap a 3 s link
+    blip causes once TCP's retransmission back-off is counted, and 8 times
+    the interval, which kept the false-alarm count at zero on a loaded
+    2-core machine (docs/benchmarks.md).
+
+    Attributes:
+        interval_s: seconds between beats (``HORA_HEARTBEAT_INTERVAL``, default 1).
+        timeout_s: silence after which a host is lost (``HORA_HEARTBEAT_TIMEOUT``, default 8).
+    """
+
+    interval_s: float = 1.0
+    timeout_s: float = 8.0
+
+    def __post_init__(self) -> None:
+        if not (self.interval_s > 0 and self.timeout_s >= 2 * self.interval_s):
+            raise ConfigError(
+                f"HORA_HEARTBEAT_INTERVAL={self.interval_s:g} must be > 0 and HORA_HEARTBEAT_TIMEOUT="
+                f"{self.timeout_s:g} at least twice it (one late beat must not count as a lost host)")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> HeartbeatConfig:
+        """Build the config from ``HORA_HEARTBEAT_*`` (default: the process's environment)."""
+        env = os.environ if env is None else env
+        return cls(
+            interval_s=_as_float(env, (envvars.HORA_HEARTBEAT_INTERVAL,), 1.0),
+            timeout_s=_as_float(env, (envvars.HORA_HEARTBEAT_TIMEOUT,), 8.0),
+        )
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class RunDefaults:
     """The flags of ``hora run`` that fall back on the environment it runs in, as MXNet's and Horovod's launchers do.

@@ -89,6 +89,11 @@ HOROVOD_ELASTIC_TIMEOUT = "HOROVOD_ELASTIC_TIMEOUT"
 #: neither answers nor closes its connections (a host that vanished) before it raises
 HORA_ELASTIC_COLLECTIVE_TIMEOUT = "HORA_ELASTIC_COLLECTIVE_TIMEOUT"
 
+#: host-loss heartbeats (the launchers' per-host agents over ssh): seconds between beats, and the
+#: silence after which a host counts as lost (see :class:`hora.config.HeartbeatConfig`)
+HORA_HEARTBEAT_INTERVAL = "HORA_HEARTBEAT_INTERVAL"
+HORA_HEARTBEAT_TIMEOUT = "HORA_HEARTBEAT_TIMEOUT"
+
 #: What the elastic driver sets for each worker, beside :data:`JOB`.
 ELASTIC_WORKER = (HORA_ELASTIC_DRIVER_ADDR, HORA_ELASTIC_DRIVER_PORT, HORA_ELASTIC_WORKER_ID)
 

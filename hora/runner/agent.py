@@ -24,6 +24,13 @@ The protocol, one JSON object per line (agent lines start with
    broke), the agent sends SIGTERM to every group it started, SIGKILL after
    the grace period, and exits: nothing is left running on the host.  Each
    process also gets SIGKILL from the kernel if the agent itself is killed.
+6. Heartbeats: when the spec carries ``"heartbeat": [interval, timeout]``,
+   the agent sends ``{"beat": n}`` every ``interval`` seconds and the
+   launcher sends ``{"op": "beat"}``; an agent that has heard nothing from
+   the launcher for ``timeout`` seconds (a silent partition: no FIN, no
+   RST) stops its processes as in 5.  With ``"watch": true`` the spec
+   starts nothing: the agent only beats until the launcher goes (the mpi
+   launcher's liveness check of hosts that mpirun reaches by itself).
 
 When every process has ended the agent says ``{"done": true}`` and exits 0.
 """
@@ -149,6 +156,11 @@ class Agent:
         self.stop_at = None  # when the grace period after our own SIGTERM ends
         self.killed = False
         self.signalled = False
+        self.heard = time.monotonic()  # when the launcher last said anything
+        self.beat_every: float | None = None
+        self.silence_limit: float | None = None
+        self.watch = False
+        self.gone = False  # the launcher is gone (stdin ended, or silent past the limit)
 
     # -- talking to the launcher --
 
@@ -169,6 +181,7 @@ class Agent:
         """Queue the launcher's messages; None when stdin ends."""
         try:
             for line in sys.stdin.buffer:
+                self.heard = time.monotonic()
                 line = line.strip()
                 if line:
                     try:
@@ -180,11 +193,32 @@ class Agent:
         self.inbox.put(None)
 
     def next_message(self, timeout: float | None):
-        """The next message, ``{}`` after ``timeout`` seconds without one, None once the launcher is gone."""
-        try:
-            return self.inbox.get(timeout=timeout)
-        except queue.Empty:
-            return {}
+        """The next message, ``{}`` after ``timeout`` seconds without one, None once the launcher is gone.
+
+        Beats are not messages: they only prove the launcher is there.  A
+        launcher silent for longer than the heartbeat limit counts as gone.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.silence_limit is not None and time.monotonic() - self.heard > self.silence_limit:
+                return None
+            wait = 0.2 if deadline is None else max(0.0, min(0.2, deadline - time.monotonic()))
+            try:
+                message = self.inbox.get(timeout=wait)
+            except queue.Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return {}
+                continue
+            if message is None or message.get("op") != "beat":
+                return message
+
+    def beat(self) -> None:
+        """Send a beat every interval until the launcher is gone (runs on its own thread)."""
+        count = 0
+        while not self.gone and self.beat_every:
+            count += 1
+            self.send(beat=count)
+            time.sleep(self.beat_every)
 
     # -- the job --
 
@@ -202,6 +236,12 @@ class Agent:
     def prepare(self, spec: dict) -> list:
         """Check the spec; return the processes to start as (key, argv, env, cwd)."""
         self.grace = float(spec.get("grace", 3.0))
+        heartbeat = spec.get("heartbeat")
+        if heartbeat:
+            self.beat_every, self.silence_limit = float(heartbeat[0]), float(heartbeat[1])
+            self.heard = time.monotonic()
+            threading.Thread(target=self.beat, daemon=True).start()
+        self.watch = bool(spec.get("watch"))
         cwd = spec.get("cwd") or os.getcwd()
         if not os.path.isdir(cwd):
             raise RuntimeError(
@@ -289,9 +329,10 @@ class Agent:
 
     def supervise(self) -> None:
         """Report exits and obey the launcher until every process has ended."""
-        while self.running():
+        while self.running() or (self.watch and not self.gone):
             message = self.next_message(0.05)
             if message is None:
+                self.gone = True
                 self.shut_down()
             elif message.get("op") == "signal":
                 keys = message.get("keys") or self.running()
@@ -330,6 +371,7 @@ class Agent:
             return 0
         self.start(planned)
         self.supervise()
+        self.gone = True  # ends the beats
         self.send(done=True)
         return 0
 

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 
 from hora import elastic_wire, envvars
 from hora.config import ElasticConfig
+from hora.core.elastic import watch
 from hora.errors import TopologyError
 from hora.placement import Placement
 
@@ -109,6 +110,7 @@ def rendezvous(config: ElasticConfig, env: Mapping[str, str]) -> dict[str, str]:
         raise WorkerRetired(reason)
     a = Assignment(**{f.name: reply[f.name] for f in dataclasses.fields(Assignment)})
     _current = a
+    watch.follow(config, a.round, a.store_port)  # the line the driver's aborts come on
     log.info("elastic round %d: rank %d of %d on %s", a.round, a.rank, a.size, a.host)
     return {**env, **a.env()}
 
@@ -134,6 +136,7 @@ def hosts_updated(config: ElasticConfig) -> bool:
 def forget() -> None:
     """Drop the round's assignment (tests, and a process leaving the job)."""
     global _current
+    watch.stop()
     _release_previous_store()
     _current = None
 

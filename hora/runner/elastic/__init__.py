@@ -15,6 +15,7 @@ import logging
 from typing import TextIO
 
 from hora import envvars
+from hora.config import HeartbeatConfig
 from hora.runner.elastic.discovery import FixedHosts, ScriptDiscovery
 from hora.runner.elastic.driver import ElasticDriver, ElasticSettings, route_address
 from hora.runner.elastic.hosts import HostManager
@@ -23,7 +24,9 @@ from hora.runner.env import build_env, interface_address
 from hora.runner.hostlist import is_local_host
 from hora.runner.launch_config import LaunchConfig
 from hora.runner.launchers.base import JobResult
+from hora.runner.launchers.ssh import HostWatch
 from hora.runner.output import OutputSink
+from hora.runner.ssh import SshOptions
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +53,12 @@ def run_elastic(config: LaunchConfig, stdout: TextIO, stderr: TextIO, interrupt)
                                max_np=config.max_np, timeout_s=config.elastic_timeout,
                                reset_limit=config.reset_limit)
     hosts = HostManager(config.blacklist_cooldown_range)
+    host_watch = HostWatch((), SshOptions.from_config(config), HeartbeatConfig.from_env(), path=env.get("PATH"))
     driver = ElasticDriver(settings, hosts, discovery, spawner, env[envvars.HORA_SECRET], sink, interrupt,
-                           bind_addr=bind, advertise=lambda host: route_address(host, local_addr))
+                           bind_addr=bind, advertise=lambda host: route_address(host, local_addr),
+                           host_watch=host_watch)
     try:
         return driver.run()
     finally:
+        host_watch.close()
         sink.close()

@@ -25,6 +25,20 @@ no new worker starts, and the job ends when the others have exited.
 
 The socket speaks :mod:`hora.elastic_wire`: every frame carries an HMAC of
 the job secret, bound to a per-connection nonce.
+
+Host loss in seconds: every remote host with workers is watched by a
+beat-only agent over ssh (``host_watch``, the ssh launcher's
+:class:`~hora.runner.launchers.ssh.HostWatch`); a host silent for
+``HORA_HEARTBEAT_TIMEOUT`` seconds is lost: its workers count as failed, it
+is blacklisted and their ssh sessions are killed.  Each worker of a round
+keeps a ``watch`` connection to the driver open
+(:mod:`hora.core.elastic.watch`), and when a member of the running round is
+lost that way, or its host is dropped by discovery, the driver sends the
+other members an ``abort`` on it, so their blocked collective ends at once
+instead of after ``HORA_ELASTIC_COLLECTIVE_TIMEOUT``.  A worker that exits
+needs no abort: its connections close with it and the others' collectives
+fail within milliseconds (shutting the connections of an engine that is
+already going down is what must not happen).
 """
 
 from __future__ import annotations
@@ -145,11 +159,14 @@ class ElasticDriver:
         bind_addr: the address the driver listens on.
         advertise: the driver's address as a host sees it.
         clock: monotonic seconds.
+        host_watch: tells which remote hosts stopped answering (``watch(host)``, ``lost()``); None: no
+            host-loss detection beyond ssh's own keep-alive.
     """
 
     def __init__(self, settings: ElasticSettings, hosts: HostManager, discovery: Discovery, spawner: Any,
                  secret: str, sink: OutputSink, interrupt: Interrupt, bind_addr: str = "127.0.0.1",
-                 advertise: Callable[[str], str] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 advertise: Callable[[str], str] | None = None, clock: Callable[[], float] = time.monotonic,
+                 host_watch: Any = None) -> None:
         self.settings = settings
         self.hosts = hosts
         self.discovery = discovery
@@ -159,6 +176,9 @@ class ElasticDriver:
         self.interrupt = interrupt
         self.clock = clock
         self.advertise = advertise or (lambda host: bind_addr)
+        self.host_watch = host_watch
+        self._watches: dict[int, tuple[int, elastic_wire.Channel]] = {}  # seq -> (round, channel)
+        self._addrs: dict[int, str] = {}  # seq -> the address the worker reached the driver from
         self.workers: dict[int, Worker] = {}
         self.round = 0
         self.members: list[int] = []
@@ -236,8 +256,27 @@ class ElasticDriver:
                 channel.close()
                 return
             self._requests.put(("join", (seq, join)))
+        elif op == "watch" and seq >= 0:
+            self._follow(seq, int(message.get("round", 0)), channel)
         else:
             channel.close()
+
+    def _follow(self, seq: int, round_: int, channel: elastic_wire.Channel) -> None:
+        """Keep one worker's watch line until it ends (runs on the connection's thread)."""
+        with self._lock:
+            old = self._watches.get(seq)
+            self._watches[seq] = (round_, channel)
+        if old is not None:
+            old[1].close()
+        try:
+            while True:
+                channel.recv()  # the worker says nothing more; this only notices the end
+        except (OSError, elastic_wire.WireError, AuthError):
+            pass
+        with self._lock:
+            if self._watches.get(seq, (0, None))[1] is channel:
+                del self._watches[seq]
+        channel.close()
 
     # ------------------------------------------------------------- the loop
     def run(self) -> JobResult:
@@ -249,6 +288,7 @@ class ElasticDriver:
                     self._stop_all(signum)
                     return JobResult(exit_code=128 + signum, interrupted_by=signum)
                 self._reap()
+                self._check_heartbeats()
                 self._take_requests()
                 now = self.clock()
                 self._discover(now)
@@ -298,7 +338,7 @@ class ElasticDriver:
             except queue.Empty:
                 return
             worker = self.workers.get(seq)
-            if worker is None:
+            if worker is None or not worker.alive:  # unknown, or already given up as lost
                 continue
             worker.alive, worker.returncode = False, code
             join = self._waiting.pop(seq, None)
@@ -319,6 +359,47 @@ class ElasticDriver:
                 log.warning("worker %d on %s %s", seq, worker.host, describe_returncode(code))
                 if not self.hosts.is_blacklisted(worker.host):  # its other workers going down too is one event
                     self.hosts.blacklist(worker.host)
+
+    def _check_heartbeats(self) -> None:
+        """Give up on the workers of hosts that stopped answering."""
+        for host, note in self.host_watch.lost() if self.host_watch is not None else ():
+            lost = [w for w in self.workers.values() if w.host == host and w.alive and not w.retired]
+            if not lost:
+                continue
+            log.warning("%s", note)
+            for w in lost:
+                w.alive, w.returncode = False, 255
+                join = self._waiting.pop(w.seq, None)
+                if join is not None:
+                    join.channel.close()
+                self.failures.append(RankExit(rank=w.seq, host=w.host, returncode=255, note=note,
+                                              stderr_tail=tuple(self.sink.tail(w.seq))))
+            self.spawner.signal([w.seq for w in lost], signal.SIGKILL)  # its ssh session: no use waiting for it
+            if not self.hosts.is_blacklisted(host):
+                self.hosts.blacklist(host)
+            self._abort_round([w.seq for w in lost], note)
+
+    def _abort_round(self, lost: list[int], reason: str) -> None:
+        """Tell the other members of the running round to leave it now, if any of ``lost`` is a member."""
+        with self._lock:
+            if not any(seq in self.members for seq in lost):
+                return
+            self.news = True
+            round_, members = self.round, list(self.members)
+            watches = dict(self._watches)
+        addrs = sorted({self._addrs[seq] for seq in members if seq in self._addrs})
+        message = {"abort": reason, "round": round_, "addrs": addrs}
+        told = []
+        for seq in members:
+            watch = watches.get(seq)
+            if seq in lost or watch is None or watch[0] != round_:
+                continue
+            try:
+                watch[1].send(message)
+                told.append(seq)
+            except OSError as e:
+                log.debug("elastic driver: could not tell worker %d to leave round %d: %s", seq, round_, e)
+        log.info("round %d aborted (%s); told workers %s", round_, reason, told)
 
     def _take_requests(self) -> None:
         while True:
@@ -357,6 +438,7 @@ class ElasticDriver:
                 join = self._waiting.pop(w.seq, None)
                 if join is not None:
                     self._reply(join, {"stop": "its host left the job"})
+                self._abort_round([w.seq], f"discovery no longer lists {w.host}")
         for w in self.workers.values():
             if w.retired and w.alive and w.retired_at is not None and now - w.retired_at > RETIRE_GRACE_SECONDS:
                 self.spawner.signal([w.seq], signal.SIGTERM if now - w.retired_at < 2 * RETIRE_GRACE_SECONDS
@@ -394,6 +476,8 @@ class ElasticDriver:
             envvars.HORA_RANK: str(provisional_rank), envvars.HOROVOD_PLACEMENT[0]: str(provisional_rank),
         }
         self.spawner.start(seq, host, env)
+        if self.host_watch is not None:
+            self.host_watch.watch(host)
         return worker
 
     def _try_form(self, now: float) -> JobResult | None:
@@ -431,6 +515,7 @@ class ElasticDriver:
             # Rank 0 runs here and reached the driver over loopback: the other hosts need this machine's
             # address towards them, which rank 0's store then listens on.
             stores[members[0].seq] = (self.advertise(remote), port)
+        self._addrs.update({seq: addr for seq, (addr, _) in stores.items()})  # where its peers reach it
         placement = assign(members, stores, round_)
         with self._lock:
             self.round = round_
@@ -497,6 +582,10 @@ class ElasticDriver:
         for join in self._waiting.values():
             join.channel.close()
         self._waiting.clear()
+        with self._lock:
+            watches, self._watches = list(self._watches.values()), {}
+        for _, channel in watches:
+            channel.close()
 
 
 def route_address(host: str, fallback: str) -> str:

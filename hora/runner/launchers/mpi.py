@@ -9,6 +9,11 @@ finished a few seconds later.
 Under mpirun the ranks read rank and size from Open MPI's ``OMPI_COMM_WORLD_*``
 variables; ``HORA_RANK`` and friends are not set.  On SIGINT or SIGTERM,
 mpirun terminates the ranks with SIGTERM (whatever the signal it got).
+
+On several hosts, a :class:`~hora.runner.launchers.ssh.HostWatch` beats with
+each other host over ssh (``HORA_HEARTBEAT_*``): a host that stops answering
+ends the job within the heartbeat deadline, and the report names it, which
+mpirun's own message does not.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
+from hora.config import HeartbeatConfig
 from hora.errors import LaunchError
 from hora.runner.env import Endpoints, available_cpus, forwarded_names, free_port, local_endpoints
 from hora.runner.hostlist import is_local_host
@@ -49,8 +56,16 @@ from hora.runner.ssh import SshOptions
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.05
+
+
+class HostWatchLike(Protocol):
+    """What :class:`ToolSupervisor` asks a host watch (:class:`~hora.runner.launchers.ssh.HostWatch`)."""
+
+    def lost(self) -> list[tuple[str, str]]: ...
 #: How long mpirun gets to tear the job down itself after a rank failed.
 MPIRUN_TEARDOWN_SECONDS = 5.0
+#: How long mpirun gets to end by itself after a host was lost (it would wait on that host's daemon).
+LOST_HOST_TEARDOWN_SECONDS = 1.0
 
 
 def mpirun_path(environ: Mapping[str, str] | None = None) -> str | None:
@@ -223,7 +238,18 @@ class MpiLauncher(Launcher):
             )
         except OSError as e:
             raise LaunchError(f"cannot start mpirun {command[0]!r}: {e.strerror or e}") from e
-        result = ToolSupervisor(proc, slots, sink, interrupt, config.grace_period, tool="mpirun").run()
+        watch = None
+        if spans:
+            from hora.runner.launchers.ssh import HostWatch  # the ssh launcher's agents, in watch mode
+
+            watch = HostWatch(list(hosts), SshOptions.from_config(config), HeartbeatConfig.from_env(),
+                              path=mpirun_env.get("PATH"))
+        try:
+            result = ToolSupervisor(proc, slots, sink, interrupt, config.grace_period, tool="mpirun",
+                                    watch=watch).run()
+        finally:
+            if watch is not None:
+                watch.close()
         if result.message and config.mpi_by_default:
             result.message += ("; hora run used mpirun because MPI is installed: pass --gloo to start the "
                                "processes with hora's own launcher instead")
@@ -246,8 +272,10 @@ class ToolSupervisor:
         interrupt: Interrupt,
         grace: float,
         tool: str = "mpirun",
+        watch: HostWatchLike | None = None,
     ) -> None:
         self.tool = tool
+        self.watch = watch
         self.proc = proc
         self.hosts = {s.rank: s.host for s in slots}
         self.sink = sink
@@ -282,10 +310,13 @@ class ToolSupervisor:
         while self.proc.poll() is None:
             self._handle_signal()
             self._take_markers(timeout=POLL_SECONDS)
+            self._check_hosts()
             if self.deadline is not None and time.monotonic() >= self.deadline:
                 self._escalate()
+        # After a lost host, mpirun's ssh to it may hold the pipes open: the last lines get a short wait only.
+        lost_host = self.root_cause is not None and self.root_cause.note.startswith("lost:")
         for thread in self.pumps:
-            thread.join(2.0)
+            thread.join(0.5 if lost_host else 2.0)
         self._take_markers(timeout=0)
         return self._result()
 
@@ -301,6 +332,25 @@ class ToolSupervisor:
         else:
             self._escalate()
 
+    def _check_hosts(self) -> None:
+        """A watched host stopped answering: its ranks are lost (the root cause), and the tool is stopped."""
+        if self.watch is None:
+            return
+        for host, note in self.watch.lost():
+            if self.root_cause is not None or self.interrupted_by is not None:
+                continue
+            logger.warning("%s", note)
+            for rank in sorted(r for r, h in self.hosts.items() if h == host and r not in self.exits):
+                self.exits[rank] = RankExit(rank=rank, host=host, returncode=255,
+                                            stderr_tail=tuple(self.sink.tail(rank)), note=note)
+                self.root_cause = self.root_cause or self.exits[rank]
+            if self.root_cause is not None:
+                # mpirun would wait on the lost host's daemon: terminate it now, kill it a second later (the
+                # daemons on the other hosts end their ranks when mpirun's connection to them closes).
+                self.escalation = 1
+                self.proc.send_signal(signal.SIGTERM)
+                self.deadline = time.monotonic() + min(self.grace, LOST_HOST_TEARDOWN_SECONDS)
+
     def _take_markers(self, timeout: float) -> None:
         try:
             record = self.markers.get(timeout=timeout) if timeout else self.markers.get_nowait()
@@ -315,6 +365,8 @@ class ToolSupervisor:
 
     def _record(self, record: dict) -> None:
         rank = int(record["rank"])
+        if rank in self.exits and self.exits[rank].note:
+            return  # declared lost with its host; what its wrapper says later does not change that
         stopping = self.root_cause is not None or self.interrupted_by is not None
         exit_ = RankExit(
             rank=rank,

@@ -17,6 +17,14 @@ tell every agent to signal its processes (SIGTERM, then SIGKILL after the
 grace period).  An agent whose connection drops stops its own processes, so
 nothing is left running on a host whatever happens to the launcher; and a
 host that stops answering ends the job with a root cause naming it.
+
+Heartbeats (:mod:`hora.runner.heartbeat`) ride on the same ssh sessions: each
+agent beats every ``HORA_HEARTBEAT_INTERVAL`` seconds and the launcher beats
+back, so a host cut off without a word (no FIN, no RST) is lost after
+``HORA_HEARTBEAT_TIMEOUT`` seconds rather than when ssh's keep-alive gives
+up; its agent, hearing nothing either, stops what it runs.  :class:`HostWatch`
+runs agents that start nothing and only beat, for launchers whose ranks
+another tool starts (mpirun).
 """
 
 from __future__ import annotations
@@ -35,9 +43,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hora import envvars
+from hora.config import HeartbeatConfig
 from hora.errors import LaunchError
 from hora.runner.agent import MARKER
 from hora.runner.env import Endpoints, forwarded_names, free_port, interface_address
+from hora.runner.heartbeat import Beater, Liveness, lost_note
 from hora.runner.hostlist import is_local_host
 from hora.runner.keys import Key, parse_key
 from hora.runner.launch_config import LaunchConfig
@@ -85,6 +95,7 @@ class _Agent:
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.sink: OutputSink | None = None
         self.done = False
+        self.liveness: Liveness | None = None  # set once the job runs: every line counts as a beat
         self.stdin_lock = threading.Lock()
         try:
             self.proc = subprocess.Popen(
@@ -100,6 +111,8 @@ class _Agent:
     def _read_stdout(self) -> None:
         try:
             for line in iter(self.proc.stdout.readline, b""):  # type: ignore[union-attr]
+                if self.liveness is not None:
+                    self.liveness.beat(self.host)
                 self._stdout_line(line)
         except (OSError, ValueError):
             pass
@@ -141,6 +154,10 @@ class _Agent:
                 return True
             except (OSError, ValueError):
                 return False
+
+    def cut(self) -> None:
+        """Give up on a host that stopped answering: kill its ssh at once (closing would wait on it)."""
+        signal_group(self.proc.pid, signal.SIGKILL)
 
     def close(self, wait: float) -> None:
         """Close the control channel (the agent then stops what still runs) and reap ssh."""
@@ -195,6 +212,8 @@ class SshLauncher(Launcher):
         self.cwd = os.getcwd()
         self.ssh = SshOptions()
         self.host_addrs: dict[str, str] = {}
+        self.heartbeat = HeartbeatConfig()
+        self.beater: Beater | None = None
 
     # -- before the environment exists --
 
@@ -206,6 +225,7 @@ class SshLauncher(Launcher):
                 message names each such host and what ssh said).
         """
         self.ssh = SshOptions.from_config(config)
+        self.heartbeat = HeartbeatConfig.from_env()
         hosts = list(dict.fromkeys(s.host for s in slots))
         local = {h: is_local_host(h) for h in hosts}
         if config.sync_dst_dir is not None:
@@ -292,13 +312,23 @@ class SshLauncher(Launcher):
             processes = [
                 {"key": str(s.key), "argv": slot_command(config, s), "env": s.env()} for s in slots if s.host == host
             ]
-            agent.send(op="spec", cwd=self.cwd, env=common, processes=processes, grace=config.grace_period)
+            agent.send(op="spec", cwd=self.cwd, env=common, processes=processes, grace=config.grace_period,
+                       heartbeat=[self.heartbeat.interval_s, self.heartbeat.timeout_s])
+        # From the spec on, an agent counts the launcher's silence: beat while the slowest host gets ready too.
+        agents = dict(self.agents)
+        self.beater = Beater(lambda: agents.values(), lambda a: a.send(op="beat"),  # type: ignore[attr-defined]
+                             self.heartbeat.interval_s).start()
         self._wait_until_ready()
-        for agent in self.agents.values():
+        liveness = Liveness(self.heartbeat.timeout_s)
+        for host, agent in self.agents.items():
             agent.sink = sink
+            liveness.watch(host)
+            agent.liveness = liveness
         for agent in self.agents.values():
             agent.send(op="start")
-        return _SshSupervisor(self.agents, self.events, slots, sink, interrupt, config).run()
+        supervisor = _SshSupervisor(self.agents, self.events, slots, sink, interrupt, config)
+        supervisor.watch(liveness, self.heartbeat)
+        return supervisor.run()
 
     def _wait_until_ready(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_SECONDS
@@ -334,6 +364,8 @@ class SshLauncher(Launcher):
 
     def close(self) -> None:
         """Close every agent's control channel (each then stops what still runs) and reap ssh."""
+        if self.beater is not None:
+            self.beater.stop()
         agents, self.agents = list(self.agents.values()), {}
         threads = [threading.Thread(target=a.close, args=(10.0,), daemon=True) for a in agents]
         for thread in threads:
@@ -361,6 +393,12 @@ class _SshSupervisor(Supervisor):
         for slot in slots:
             self.keys_by_host[slot.host].append(slot.key)
         self.abandoned = False
+        self.liveness: Liveness | None = None
+        self.heartbeat = HeartbeatConfig()
+
+    def watch(self, liveness: Liveness, heartbeat: HeartbeatConfig) -> None:
+        """Count a host silent for ``heartbeat.timeout_s`` as lost, with what ran there."""
+        self.liveness, self.heartbeat = liveness, heartbeat
 
     def wait(self, timeout: float) -> list[tuple[Key, int, str]]:
         try:
@@ -382,6 +420,8 @@ class _SshSupervisor(Supervisor):
             return [(key, int(record["exit"]["returncode"]), "")]
         if "done" in record:
             agent.done = True
+        if ("done" in record or "eof" in record) and self.liveness is not None:
+            self.liveness.forget(host)
         if "eof" in record:
             lost = [k for k in self.keys_by_host[host] if k not in self.exits]
             if lost:
@@ -397,6 +437,7 @@ class _SshSupervisor(Supervisor):
                 agent.send(op="signal", signum=int(signum), keys=mine)
 
     def tick(self, now: float) -> None:
+        self._check_heartbeats()
         if self.abandoned or self.killed_at is None or now - self.killed_at < UNRESPONSIVE_SECONDS:
             return
         self.abandoned = True
@@ -408,7 +449,112 @@ class _SshSupervisor(Supervisor):
                 for key in lost:
                     self.record(key, -signal.SIGKILL, f"{host} did not answer; its connection was closed")
 
+    def _check_heartbeats(self) -> None:
+        if self.liveness is None:
+            return
+        for host, silence in self.liveness.newly_lost():
+            agent = self.agents[host]  # type: ignore[index]
+            lost = [k for k in self.keys_by_host[host] if k not in self.exits]  # type: ignore[index]
+            if agent.done or not lost:
+                continue
+            note = lost_note(str(host), silence, self.heartbeat)
+            logger.warning("%s", note)
+            agent.cut()
+            for key in lost:
+                self.record(key, 255, note)
+
     def finish(self) -> None:
         for agent in self.agents.values():
             agent.close(wait=5.0)
 
+
+
+class HostWatch:
+    """Agents that start nothing and only beat: liveness of hosts whose processes hora does not start itself.
+
+    mpirun starts its ranks, and the elastic driver starts its workers over
+    plain ssh; a separate agent per remote host, in watch mode, gives both
+    the ssh launcher's heartbeats.  Being its own process, it beats however
+    busy the host's workers are (a worker holding Python's GIL while gloo
+    connects cannot beat for itself).  The handshake runs on a thread, so the
+    job starts without waiting for it; a host whose agent cannot be started is
+    not watched (what runs there fails on its own).  :meth:`lost` says which
+    hosts stopped answering since the last call.
+    """
+
+    def __init__(self, hosts: Sequence[str], ssh: SshOptions, heartbeat: HeartbeatConfig,
+                 path: str | None = None) -> None:
+        self.heartbeat = heartbeat
+        self.ssh = ssh
+        self.path = path
+        self.liveness = Liveness(heartbeat.timeout_s)
+        self.events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+        self.agents: dict[str, _Agent] = {}
+        self._lost: queue.Queue[tuple[str, str]] = queue.Queue()
+        self._closed = threading.Event()
+        for host in dict.fromkeys(hosts):
+            self.watch(host)
+        self.beater = Beater(self._watched, lambda a: a.send(op="beat"), heartbeat.interval_s,  # type: ignore[attr-defined]
+                             name="hora-hostwatch-beat").start()
+        self._thread = threading.Thread(target=self._run, name="hora-hostwatch", daemon=True)
+        self._thread.start()
+
+    def watch(self, host: str) -> None:
+        """Start watching ``host`` (again, if its agent ended); this machine is never watched."""
+        if is_local_host(host) or self._closed.is_set():
+            return
+        agent = self.agents.get(host)
+        if agent is not None and agent.proc.poll() is None:
+            return
+        try:
+            self.agents[host] = _Agent(host, False, self.ssh.command(host, agent_command(self.path)), self.events)
+        except LaunchError as e:
+            logger.warning("cannot watch %s: %s", host, e)
+
+    def _watched(self) -> list[_Agent]:
+        return [a for h, a in self.agents.items() if h in self.liveness.heard]
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            try:
+                host, record = self.events.get(timeout=0.2)
+            except queue.Empty:
+                host, record = "", {}
+            if host and self.agents.get(host) is None:
+                continue
+            if "hello" in record:
+                self.agents[host].send(op="spec", cwd="/", env={}, processes=[], watch=True,
+                                       heartbeat=[self.heartbeat.interval_s, self.heartbeat.timeout_s])
+            elif "ready" in record:
+                self.agents[host].liveness = self.liveness
+                self.liveness.watch(host)
+                self.agents[host].send(op="start")
+            elif "eof" in record and host in self.liveness.heard and host not in self.liveness.lost:
+                self.liveness.forget(host)
+                if not self._closed.is_set():
+                    self._lost.put((host, f"lost: the connection to {host} ended; {self.agents[host].why_gone()}"))
+            elif "error" in record:
+                logger.warning("cannot watch %s: %s", host, record["error"])
+            for lost, silence in self.liveness.newly_lost():
+                self.agents[str(lost)].cut()
+                self._lost.put((str(lost), lost_note(str(lost), silence, self.heartbeat)))
+
+    def lost(self) -> list[tuple[str, str]]:
+        """Hosts found lost since the last call, each with the note that names it and says why."""
+        found = []
+        while True:
+            try:
+                found.append(self._lost.get_nowait())
+            except queue.Empty:
+                return found
+
+    def close(self) -> None:
+        """Stop watching: every agent's session ends (closed, or killed after a few seconds)."""
+        self._closed.set()
+        self.beater.stop()
+        # A watch agent runs nothing: it exits as soon as its stdin closes, or its ssh is killed after 1 s.
+        threads = [threading.Thread(target=a.close, args=(1.0,), daemon=True) for a in self.agents.values()]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10.0)
