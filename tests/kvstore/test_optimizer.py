@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import msgpack
 import numpy as np
@@ -240,13 +241,14 @@ def test_spec_is_plain_data_and_rebuilds_the_same_optimizer(cls, sched, lr):
 
 
 @pytest.mark.parametrize(("spec", "match"), [
-    ({"type": "rmsprop"}, "rmsprop"),
+    ({"type": "adabelief"}, "adabelief.*HORA_PS_OPTIMIZER_MODULES"),
     ({"type": "sgd", "momentun": 0.9}, "momentun"),
     ({"type": "adam", "momentum": 0.9}, "momentum"),
     ({"type": "sgd", "learning_rate": "0.1"}, "learning_rate"),
     ({"type": "sgd", "learning_rate": float("nan")}, "learning_rate"),
     ({"type": "adam", "beta1": 1.0}, "beta1"),
-    ({"type": "sgd", "lr_scheduler": {"type": "cosine"}}, "cosine"),
+    ({"type": "sgd", "lr_scheduler": {"type": "cosine"}}, "max_update"),
+    ({"type": "sgd", "lr_scheduler": {"type": "onecycle"}}, "onecycle"),
     ({"type": "sgd", "lr_scheduler": {"type": "factor", "step": 2, "gamma": 0.1}}, "gamma"),
     ({"type": "sgd", "lr_scheduler": {"type": "factor"}}, "step"),
     ({"type": "sgd", "lr_mult": [1, 2]}, "lr_mult"),
@@ -262,8 +264,9 @@ def test_create_by_name():
     assert isinstance(kvopt.create("SGD", learning_rate=0.2), kvopt.SGD)
     assert isinstance(kvopt.create("adam"), kvopt.Adam)
     assert kvopt.Adam().lr == 0.001 and kvopt.SGD().lr == 0.01
-    with pytest.raises(ConfigError, match="valid optimizers are: sgd, adam"):
-        kvopt.create("adagrad")
+    assert isinstance(kvopt.create("AdaGrad"), kvopt.AdaGrad)
+    with pytest.raises(ConfigError, match="valid optimizers are: sgd, signum, .*test"):
+        kvopt.create("adabelief")
     with pytest.raises(ConfigError, match="bogus"):
         kvopt.create("sgd", bogus=1)
     assert scheduler_from_spec(FactorScheduler(step=4).spec()).step == 4
@@ -361,3 +364,35 @@ def test_cuda_tensors_follow_the_numpy_rule(make):
         up_cuda("k", torch.from_numpy(g.copy()).cuda(), w_cuda)
     assert all(v.is_cuda for v in up_cuda.states["k"].values())
     torch.testing.assert_close(w_cuda.cpu(), torch.from_numpy(w_np), rtol=1e-6, atol=1e-7)
+
+
+def test_a_users_optimizer_runs_only_once_its_module_is_named(monkeypatch):
+    """A rule of one's own travels by name and is found through HORA_PS_OPTIMIZER_MODULES, never unpickled."""
+    from hora.kvstore.optimizer import registry
+
+    monkeypatch.setattr(registry, "OPTIMIZERS", dict(registry.OPTIMIZERS))
+    monkeypatch.setattr(registry, "_loaded", set())
+    monkeypatch.delitem(sys.modules, "tests.kvstore.custom_optimizer", raising=False)
+    spec = {"type": "halfstep", "learning_rate": 0.5, "scale": 0.5}
+    monkeypatch.delenv("HORA_PS_OPTIMIZER_MODULES", raising=False)
+    with pytest.raises(ConfigError, match="HORA_PS_OPTIMIZER_MODULES"):
+        kvopt.create_updater(spec)
+    monkeypatch.setenv("HORA_PS_OPTIMIZER_MODULES", "tests.kvstore.no_such_module")
+    with pytest.raises(ConfigError, match="no_such_module.*does not import"):
+        kvopt.create_updater(spec)
+    monkeypatch.setenv("HORA_PS_OPTIMIZER_MODULES", "tests.kvstore.custom_optimizer, ")
+    upd = kvopt.create_updater(spec)
+    w = np.ones(3, np.float32)
+    upd("k", np.full(3, 2.0, np.float32), w)
+    np.testing.assert_array_equal(w, np.full(3, 0.5, np.float32))
+    monkeypatch.setenv("HORA_PS_OPTIMIZER_MODULES", "not a module")
+    with pytest.raises(ConfigError, match="not a module name"):
+        registry.load_modules()
+
+
+def test_mxnets_names_cannot_be_taken_over():
+    class Fake(kvopt.Optimizer):
+        type_name = "adam"
+
+    with pytest.raises(ConfigError, match="MXNet's Adam"):
+        kvopt.register(Fake)

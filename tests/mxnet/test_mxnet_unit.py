@@ -52,10 +52,25 @@ def test_mxnet_optimizers_become_server_optimizers():
     assert (sgd.lr, sgd.momentum, sgd.wd, sgd.rescale_grad) == (0.3, 0.9, 1e-4, 0.125)
     adam = hora_optimizer_of(mx.optimizer.Adam(learning_rate=0.01, beta1=0.8))
     assert isinstance(adam, hopt.Adam) and adam.beta1 == 0.8
-    with pytest.raises(ConfigError, match="SGD or Adam"):
-        hora_optimizer_of(mx.optimizer.RMSProp())
-    with pytest.raises(ConfigError, match="lr_scheduler"):
-        hora_optimizer_of(mx.optimizer.SGD(lr_scheduler=mx.lr_scheduler.FactorScheduler(step=10)))
+    adagrad = hora_optimizer_of(mx.optimizer.AdaGrad(eps=1e-5))
+    assert isinstance(adagrad, hopt.AdaGrad) and adagrad.eps == 1e-5
+    sched = hora_optimizer_of(mx.optimizer.SGD(lr_scheduler=mx.lr_scheduler.FactorScheduler(step=10, factor=0.5)))
+    assert sched.lr_scheduler.spec()["step"] == 10 and sched.lr_scheduler.factor == 0.5
+    with pytest.raises(ConfigError, match="MXNet 1.9.1's DCASGD fails"):
+        hora_optimizer_of(mx.optimizer.DCASGD(momentum=0.9))
+
+    class MySGD(mx.optimizer.SGD):
+        pass
+
+    with pytest.raises(ConfigError, match="update_on_kvstore=False.*HORA_PS_OPTIMIZER_MODULES"):
+        hora_optimizer_of(MySGD())
+
+    class CustomScheduler(mx.lr_scheduler.LRScheduler):
+        def __call__(self, num_update):
+            return 0.1
+
+    with pytest.raises(ConfigError, match="cannot travel"):
+        hora_optimizer_of(mx.optimizer.SGD(lr_scheduler=CustomScheduler()))
 
 
 def test_split_list_cuts_into_nearly_equal_consecutive_parts():
