@@ -24,6 +24,7 @@ from hora.kvstore.optimizer.base import (
     check_bool,
     check_fraction,
     clip_kernel,
+    moments,
     np_dtype,
     one_minus,
     optional_number,
@@ -80,11 +81,11 @@ class Adam(Optimizer):
         rescale_, decay_, b1_, b1c_, b2_, b2c_, lr_, eps_ = scalars
         bound_ = None if bound is None else (dt.type(bound) if numpy else bound)
 
-        def rule(w: Array, gr: Array, m: Array, v: Array) -> None:
+        def rule(w: Array, gr: Array, m: Array, v: Array) -> None:  # torch tensors, whole
             g = gr * rescale_
             g += w * decay_
             if bound_ is not None:
-                g = clip_kernel(g, bound_) if numpy else g.clamp_(-bound_, bound_)
+                g = g.clamp_(-bound_, bound_)
             m *= b1_
             m += g * b1c_
             v *= b2_
@@ -97,10 +98,24 @@ class Adam(Optimizer):
             step /= den
             w -= step
 
+        def fused(w: np.ndarray, gr: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, t: np.ndarray
+                  ) -> None:  # the same operations, into two scratch blocks
+            np.multiply(gr, rescale_, out=g)
+            np.multiply(w, decay_, out=t)
+            g += t
+            if bound_ is not None:
+                clip_kernel(g, bound_)
+            moments(g, m, v, b1_, b1c_, b2_, b2c_, t)
+            np.multiply(m, lr_, out=g)
+            np.sqrt(v, out=t)
+            t += eps_
+            g /= t
+            w -= g
+
         if not numpy:
             rule(weight, grad, state["mean"], state["var"])
             return
-        blockwise(rule, weight, grad, state["mean"], state["var"])
+        blockwise(fused, weight, grad, state["mean"], state["var"], scratch=2)
 
 
 class Adamax(Optimizer):
@@ -200,17 +215,25 @@ class AdaGrad(Optimizer):
     def update(self, index: str, weight: Array, grad: Array, state: dict[str, Array]) -> None:
         lr, wd, _ = self._begin(index)
         dt = weight.dtype
-        eps, decay, neg_lr = scalar(dt, self.eps), scalar(dt, wd), scalar(dt, -lr)
+        rescale, eps, decay, neg_lr = scalar(dt, self.rescale_grad), scalar(dt, self.eps), scalar(dt, wd), scalar(
+            dt, -lr)
 
-        def rule(w: np.ndarray, gr: np.ndarray, h: np.ndarray) -> None:
-            g = self._rescaled(gr, dt)
-            h += g * g
-            div = g / np.sqrt(h + eps)
-            div += w * decay
-            div *= neg_lr
-            w += div
+        def rule(w: np.ndarray, gr: np.ndarray, h: np.ndarray, g: np.ndarray, t: np.ndarray) -> None:
+            if self.clip_gradient is None:
+                np.multiply(gr, rescale, out=g)
+            else:
+                g[...] = self._rescaled(gr, dt)
+            np.multiply(g, g, out=t)
+            h += t
+            np.add(h, eps, out=t)
+            np.sqrt(t, out=t)
+            g /= t
+            np.multiply(w, decay, out=t)
+            g += t
+            g *= neg_lr
+            w += g
 
-        blockwise(rule, weight, grad, state["history"])
+        blockwise(rule, weight, grad, state["history"], scratch=2)
 
 
 class AdaDelta(Optimizer):

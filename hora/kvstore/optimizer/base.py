@@ -88,27 +88,70 @@ def sign(x: np.ndarray) -> np.ndarray:
     return (x > 0).astype(x.dtype) - (x < 0).astype(x.dtype)
 
 
-def blockwise(fn: Callable[..., None], *arrays: np.ndarray | None) -> None:
-    """Run the element-wise rule ``fn(*blocks)`` over the flat arrays, block by block.
+def blockwise(fn: Callable[..., None], *arrays: np.ndarray | None, scratch: int = 0,
+              scratch_dtype: Any = None) -> None:
+    """Run the element-wise rule ``fn(*blocks, *scratch_blocks)`` over the flat arrays, block by block.
 
     ``None`` entries pass through as ``None``.  Each block of every array is
     read from memory once and stays in cache for all of the rule's operations;
     the operations and their order are the rule's own, so the bits are too.
+    ``scratch`` buffers of a block's length (in ``scratch_dtype``, default the
+    first array's dtype) are allocated once and handed to every call, so a rule
+    written with ``out=`` allocates nothing per block.
     """
     flat = [None if a is None else a.reshape(-1) for a in arrays]
-    n = next(a.size for a in flat if a is not None)
-    if n <= BLOCK:
-        fn(*flat)
-        return
-    for lo in range(0, n, BLOCK):
-        hi = min(n, lo + BLOCK)
-        fn(*[None if a is None else a[lo:hi] for a in flat])
+    first = next(a for a in flat if a is not None)
+    n = first.size
+    block = max(1, min(n, BLOCK))
+    bufs = [np.empty(block, scratch_dtype or first.dtype) for _ in range(scratch)]
+    for lo in range(0, n, block):
+        hi = min(n, lo + block)
+        fn(*[None if a is None else a[lo:hi] for a in flat], *[b[:hi - lo] for b in bufs])
+
+
+def moments(g: np.ndarray, m: np.ndarray, v: np.ndarray, b1: np.floating, b1c: np.floating, b2: np.floating,
+            b2c: np.floating, scratch: np.ndarray) -> None:
+    """Adam's and LAMB's ``m = b1*m + (1-b1)*g`` and ``v = b2*v + ((1-b2)*g)*g``, in place, in the kernels' order."""
+    m *= b1
+    np.multiply(g, b1c, out=scratch)
+    m += scratch
+    v *= b2
+    np.multiply(g, b2c, out=scratch)
+    scratch *= g
+    v += scratch
 
 
 def sum_sq(x: np.ndarray) -> np.float32:
     """MXNet's CPU ``multi_sum_sq`` of one array: ``sum += x[i] * x[i]`` in float32, in order."""
-    squares = (x.reshape(-1) * x.reshape(-1)).astype(np.float32)
-    return np.float32(0) if squares.size == 0 else np.cumsum(squares, dtype=np.float32)[-1]
+    acc = SumSq()
+    blockwise(acc.add, x, scratch=1, scratch_dtype=np.float32)
+    return acc.total
+
+
+class SumSq:
+    """A running ``multi_sum_sq``: :meth:`add` takes consecutive blocks in order; ``total`` is the float32 sum.
+
+    Within a block ``np.cumsum`` adds in order, and each block starts from the
+    previous one's total, so the sum is the kernel's sequential one, bit for
+    bit, without an array of the input's size.
+    """
+
+    __slots__ = ("total",)
+
+    def __init__(self) -> None:
+        self.total = np.float32(0)
+
+    def add(self, x: np.ndarray, scratch: np.ndarray) -> None:
+        """Add the squares of the block ``x`` (``scratch``: a float32 buffer of its length)."""
+        if x.size == 0:
+            return
+        if x.dtype == np.float32:
+            np.multiply(x, x, out=scratch)
+        else:  # a float16 square rounds to float16 first, as the kernel's half_t product does
+            np.copyto(scratch, x * x, casting="unsafe")
+        scratch[0] += self.total
+        np.cumsum(scratch, out=scratch)
+        self.total = scratch[-1]
 
 
 def check_bool(name: str, value: Any) -> bool:
@@ -334,5 +377,5 @@ def powf(base: np.float32, exp: np.float32) -> np.float32:
 
 
 __all__ = ["Optimizer", "Array", "BLOCK", "np_dtype", "is_float", "scalar", "product", "one_minus", "clip_kernel",
-           "clip_op", "sign", "blockwise", "sum_sq", "check_bool", "check_fraction", "optional_number",
-           "zeros_like", "powf"]
+           "clip_op", "sign", "blockwise", "moments", "sum_sq", "SumSq", "check_bool", "check_fraction",
+           "optional_number", "zeros_like", "powf"]

@@ -23,12 +23,13 @@ from hora.kvstore.lr_scheduler import _number
 from hora.kvstore.optimizer.base import (
     Array,
     Optimizer,
+    SumSq,
     blockwise,
     check_bool,
     clip_kernel,
+    moments,
     optional_number,
     powf,
-    sum_sq,
     zeros_like,
 )
 
@@ -70,26 +71,40 @@ class LAMB(Optimizer):
         den_mean, den_var = f(f(1) - powf(b1, t)), f(f(1) - powf(b2, t))
         bound = f(self.clip_gradient) if self._clipping() else None
         w32 = master if master is not None else weight
-        w_ss = sum_sq(weight)  # multi_sum_sq reads the weight as stored (float16 under multi_precision)
         g_out = np.empty(weight.shape, f)
+        w_ss, g_ss = SumSq(), SumSq()  # multi_sum_sq of the weight as stored (float16 under multi_precision)
+        wide: list[np.ndarray] = []  # two float64 blocks, made on the first call
 
-        def step1(w: np.ndarray, gr: np.ndarray, m: np.ndarray, v: np.ndarray, out: np.ndarray) -> None:
-            r = gr.astype(f, copy=False) * rescale
+        def step1(w: np.ndarray, w_stored: np.ndarray, gr: np.ndarray, m: np.ndarray, v: np.ndarray,
+                  out: np.ndarray, r: np.ndarray, t: np.ndarray) -> None:
+            w_ss.add(w_stored, t)
+            np.copyto(r, gr)  # the gradient as float32 first (float16 under multi_precision)
+            r *= rescale
             if bound is not None:
                 clip_kernel(r, bound)
-            m *= b1
-            m += r * b1c
-            v *= b2
-            v += (r * b2c) * r
+            moments(r, m, v, b1, b1c, b2, b2c, t)
+            if self.bias_correction:
+                np.divide(m, den_mean, out=r)
+                np.divide(v, den_var, out=t)
+            else:
+                np.copyto(r, m)
+                np.copyto(t, v)
             # The kernel's unqualified sqrt is C's double sqrt: the direction is formed in double.
-            mean, var = (m / den_mean, v / den_var) if self.bias_correction else (m, v)
-            d = mean.astype(np.float64)
-            d /= np.sqrt(var.astype(np.float64)) + np.float64(eps)
-            d += w * wd
-            out[...] = d
+            if not wide:
+                wide.extend(np.empty(r.size, np.float64) for _ in range(2))
+            d, q = wide[0][:r.size], wide[1][:r.size]
+            np.copyto(d, r)
+            np.copyto(q, t)
+            np.sqrt(q, out=q)
+            q += np.float64(eps)
+            d /= q
+            np.multiply(w, wd, out=t)
+            d += t
+            np.copyto(out, d, casting="same_kind")
+            g_ss.add(out, t)
 
-        blockwise(step1, w32, grad, state["mean"], state["var"], g_out)
-        r1, r2 = f(np.sqrt(w_ss)), f(np.sqrt(sum_sq(g_out)))
+        blockwise(step1, w32, weight, grad, state["mean"], state["var"], g_out, scratch=2, scratch_dtype=f)
+        r1, r2 = f(np.sqrt(w_ss.total)), f(np.sqrt(g_ss.total))
         if self.lower_bound and self.lower_bound >= 0:  # passed when truthy, applied when >= 0
             r1 = max(r1, f(self.lower_bound))
         if self.upper_bound and self.upper_bound >= 0:
