@@ -78,8 +78,11 @@ class LAMB(Optimizer):
         def step1(w: np.ndarray, w_stored: np.ndarray, gr: np.ndarray, m: np.ndarray, v: np.ndarray,
                   out: np.ndarray, r: np.ndarray, t: np.ndarray) -> None:
             w_ss.add(w_stored, t)
-            np.copyto(r, gr)  # the gradient as float32 first (float16 under multi_precision)
-            r *= rescale
+            if gr.dtype == f:
+                np.multiply(gr, rescale, out=r)
+            else:  # the float16 gradient as float32 first (multi_precision)
+                np.copyto(r, gr)
+                r *= rescale
             if bound is not None:
                 clip_kernel(r, bound)
             moments(r, m, v, b1, b1c, b2, b2c, t)
@@ -93,11 +96,9 @@ class LAMB(Optimizer):
             if not wide:
                 wide.extend(np.empty(r.size, np.float64) for _ in range(2))
             d, q = wide[0][:r.size], wide[1][:r.size]
-            np.copyto(d, r)
-            np.copyto(q, t)
-            np.sqrt(q, out=q)
+            np.sqrt(t, out=q, dtype=np.float64)
             q += np.float64(eps)
-            d /= q
+            np.divide(r, q, out=d)
             np.multiply(w, wd, out=t)
             d += t
             np.copyto(out, d, casting="same_kind")
