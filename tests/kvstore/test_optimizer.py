@@ -396,3 +396,46 @@ def test_mxnets_names_cannot_be_taken_over():
 
     with pytest.raises(ConfigError, match="MXNet's Adam"):
         kvopt.register(Fake)
+
+
+def test_shared_optimizer_state_travels_with_the_key_states():
+    """Nadam's momentum schedule lives once per optimizer: the per-key states a server sends (and the dist
+    state file joins and splits) carry it, so a restored server goes on exactly."""
+    from hora.kvstore.ps import states
+    from hora.kvstore.ps.placement import Shard
+
+    rng = np.random.default_rng(5)
+    grads = [{k: rng.standard_normal(6).astype(f32) for k in ("a", "b")} for _ in range(4)]
+    a = kvopt.Updater(kvopt.Nadam(learning_rate=0.01))
+    wa = {k: np.linspace(-1, 1, 6, dtype=f32) for k in ("a", "b")}
+    for g in grads[:2]:
+        for k in ("a", "b"):
+            a(k, g[k], wa[k])
+    b = kvopt.Updater(kvopt.Nadam(learning_rate=0.01))
+    shards = [Shard(server=0, lo=0, hi=3), Shard(server=1, lo=3, hi=6)]
+    for k in ("a", "b"):
+        parts = states.split((6,), shards, a.key_states(k))
+        assert parts[0]["shared.m_schedule"] == parts[1]["shared.m_schedule"]
+        b.set_key_states(k, states.join((6,), shards, parts))
+    assert b.optimizer.m_schedule == a.optimizer.m_schedule != 1.0
+    wb = {k: v.copy() for k, v in wa.items()}
+    for g in grads[2:]:
+        for k in ("a", "b"):
+            a(k, g[k], wa[k])
+            b(k, g[k], wb[k])
+    for k in ("a", "b"):
+        np.testing.assert_array_equal(wa[k], wb[k])
+
+
+@pytest.mark.parametrize("name", ["adagrad", "lamb", "nag"])
+def test_numpy_rules_update_torch_tensors_in_place(name):
+    """Rules written for NumPy update a torch tensor through a host view (CPU) and leave the same bits."""
+    rng = np.random.default_rng(9)
+    w0 = rng.standard_normal(10).astype(f32)
+    grads = [rng.standard_normal(10).astype(f32) for _ in range(3)]
+    u_np, u_t = kvopt.Updater(kvopt.create(name, wd=0.01)), kvopt.Updater(kvopt.create(name, wd=0.01))
+    w, t = w0.copy(), torch.from_numpy(w0.copy())
+    for g in grads:
+        u_np("k", g, w)
+        u_t("k", torch.from_numpy(g), t)
+    np.testing.assert_array_equal(t.numpy(), w)

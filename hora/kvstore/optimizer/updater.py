@@ -75,29 +75,27 @@ class Updater:
         if not _is_float(weight):
             raise ConfigError(f"key {key!r}: optimizers update floating-point values, but this key holds "
                               f"{weight.dtype}; store it as a float or push it without an optimizer")
+        tensor = None
+        if self.optimizer.numpy_only and not _is_numpy(weight):
+            # A NumPy rule on a tensor: update a host view (a copy for device tensors), then copy it back;
+            # the key's state lives on the host.
+            tensor, weight, grad = weight, to_numpy(weight), to_numpy(grad)
         state = self.states.get(key)
         if state is None:
             state = self.states[key] = self.optimizer.create_state_multi_precision(key, weight)
         elif key in self._restored or _misplaced(state, weight):
             self._conform(key, state, weight)
             self._restored.discard(key)
-        if self.optimizer.numpy_only and not _is_numpy(weight):
-            # A NumPy rule on a tensor: update a host view (a copy for device tensors) and copy it back.
-            host = to_numpy(weight)
-            self.optimizer.update_multi_precision(key, host, np.asarray(to_numpy(grad), dtype=host.dtype), state)
-            if host is not weight:
-                _copy_into(weight, host)
-            return
         self.optimizer.update_multi_precision(key, weight, _astype(grad, weight), state)
+        if tensor is not None and tensor.data_ptr() != weight.__array_interface__["data"][0]:
+            _copy_into(tensor, weight)
 
     def _conform(self, key: str, state: dict[str, Array], weight: Array) -> None:
         # Restored states are NumPy arrays in the saved dtype: move them beside the weight, in the
         # dtype the update runs in (float32 under a multi-precision master copy).
         wide = "weight32" in state
         for name, value in state.items():
-            if self.optimizer.numpy_only and not _is_numpy(weight):
-                state[name] = np.array(to_numpy(value), copy=True)
-            elif _is_numpy(weight) and to_numpy(value).dtype.kind in "iu":
+            if _is_numpy(weight) and to_numpy(value).dtype.kind in "iu":
                 state[name] = np.array(to_numpy(value), copy=True)  # counters keep their integer dtype
             elif _is_numpy(weight):
                 dtype = np.dtype(np.float32) if wide else weight.dtype
