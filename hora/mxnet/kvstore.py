@@ -130,6 +130,12 @@ class HoraAllreduceStore(KVStoreBase):
                           "gluon.Trainer update on the workers (update_on_kvstore=False), or use 'hora_dist_sync' "
                           "for an optimizer on parameter servers")
 
+    def set_gradient_compression(self, compression_params: dict[str, Any]) -> None:
+        """Refused with what to use instead (MXNet's ``horovod`` store has no such method at all)."""
+        raise ConfigError(f"the 'hora' KVStore does not compress gradients ({compression_params!r}): pass "
+                          "hvd.DistributedTrainer(..., compression=hvd.Compression.fp16) for allreduce, or use "
+                          "'hora_dist_sync', whose servers decode MXNet's 2-bit compression")
+
     @staticmethod
     def is_capable(capability: str) -> bool:
         """True for ``'optimizer'`` when the store runs one (the servers do; the allreduce store does not)."""

@@ -45,7 +45,7 @@ def test_gluon_trainer_on_hora_parameter_servers(store):
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("optimizer", ["adam", "lamb", "rmsprop", "adagrad"])
+@pytest.mark.parametrize("optimizer", ["adam", "lamb"])
 def test_gluon_trainer_sends_other_optimizers_to_the_servers(optimizer):
     """gluon.Trainer(..., kvstore='hora_dist_sync') with each optimizer trains as one process does."""
     proc = hora_run(2, [sys.executable, "tests/mxnet/scripts/ps_train_job.py", "--kv-store", "hora_dist_sync",

@@ -31,6 +31,7 @@ from hora.kvstore.optimizer.base import (
     powf,
     product,
     scalar,
+    sign,
     zeros_like,
 )
 
@@ -404,9 +405,8 @@ class Ftrl(Optimizer):
             sq = r * r
             z += r - ((np.sqrt(n + sq) - np.sqrt(n)) * w) / s_lr
             n += sq
-            sgn = (z > 0).astype(dt) - (z < 0).astype(dt)
             keep = (np.abs(z) > l1).astype(dt)
-            w[...] = ((sgn * l1 - z) / ((beta + np.sqrt(n)) / s_lr + decay)) * keep
+            w[...] = ((sign(z) * l1 - z) / ((beta + np.sqrt(n)) / s_lr + decay)) * keep
 
         blockwise(rule, weight, grad, state["z"], state["n"])
 

@@ -18,6 +18,7 @@ from hora.errors import ConfigError
 from hora.kvstore.arrays import is_numpy as _is_numpy
 from hora.kvstore.lr_scheduler import LRScheduler, _number
 from hora.kvstore.optimizer.base import (
+    BLOCK,
     Array,
     Optimizer,
     blockwise,
@@ -30,8 +31,6 @@ from hora.kvstore.optimizer.base import (
     sum_sq,
     zeros_like,
 )
-
-_BLOCK = 65536
 
 
 def _clip(x: Array, bound: float) -> Array:
@@ -111,7 +110,7 @@ class SGD(Optimizer):
         else:
             scale = product(dt, lr, self.rescale_grad)
         decay_scale, momentum = product(dt, lr, wd), product(dt, momentum_)
-        block = min(w.size, _BLOCK)
+        block = min(w.size, BLOCK)
         t_buf, d_buf = np.empty(block, dt), np.empty(block, dt)
         for lo in range(0, w.size, block):
             hi = min(w.size, lo + block)

@@ -105,7 +105,8 @@ def check_hora_store_surface(kv) -> None:
 
     assert kv.local_rank == hvd.local_rank()
     for call, args in ((kv.set_optimizer, (mx.optimizer.SGD(),)), (kv.save_optimizer_states, ("x.states",)),
-                       (kv.load_optimizer_states, ("x.states",))):
+                       (kv.load_optimizer_states, ("x.states",)),
+                       (kv.set_gradient_compression, ({"type": "2bit", "threshold": 0.5},))):
         try:
             call(*args)
         except ConfigError as e:
