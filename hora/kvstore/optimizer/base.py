@@ -12,11 +12,9 @@ blocks (same operations, same bits, much less memory traffic), and
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 import ctypes.util
 import os
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,6 +24,7 @@ from hora.errors import ConfigError
 from hora.kvstore.arrays import converted as _astype
 from hora.kvstore.arrays import copy_into as _copy_into
 from hora.kvstore.arrays import is_numpy as _is_numpy
+from hora.kvstore.arrays import math_pool
 from hora.kvstore.lr_scheduler import LRScheduler, _number, scheduler_from_spec
 
 Array = Any  # numpy.ndarray | torch.Tensor
@@ -122,23 +121,13 @@ def blockwise(fn: Callable[..., None], *arrays: np.ndarray | None, scratch: int 
         run(0, n)
         return
     per = -(-n // runs // block) * block  # whole blocks per run
-    futures = [_pool().submit(run, lo, min(n, lo + per)) for lo in range(0, n, per)]
+    futures = [math_pool().submit(run, lo, min(n, lo + per)) for lo in range(0, n, per)]
     for f in futures:
         f.result()
 
 
 PARALLEL_BLOCKS = 8  # an array of fewer blocks than this per thread is updated by the calling thread alone
 _THREADS = max(1, min(4, os.cpu_count() or 1))
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix="hora-optimizer")
-        return _POOL
 
 
 def moments(g: np.ndarray, m: np.ndarray, v: np.ndarray, b1: np.floating, b1c: np.floating, b2: np.floating,
