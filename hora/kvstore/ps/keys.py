@@ -188,6 +188,8 @@ class KeyState:
 
 
 _CHUNK_BYTES = 8 * 1024 * 1024  # larger sums are cut into pieces this big, summed on several cores
+
+
 def _combine(target: np.ndarray, grad: np.ndarray, op: Op, add: bool) -> None:
     """``target += grad`` (or ``target[:] = grad``), in pieces on several cores when large (NumPy releases
     the GIL).  A worker's shared-memory pages are unmapped as each piece is consumed, so that reading a push
