@@ -13,6 +13,11 @@ and prints one markdown table: the median push+pull time per iteration of
 the slowest worker, the cost model's time, hora over MXNet, each row over
 allreduce and over its own single-server time.
 
+``--optimizers sgd,sgd+momentum,adam,adagrad,lamb`` instead times one
+dist_sync job per server optimizer (issue 30: the servers' update of each push
+is part of the push+pull), ``--repeat`` interleaved rounds, each over the
+first optimizer's time.
+
 ``--transports shm,tcp,curve`` instead compares hora's own transports in one
 run (issue 19): shared memory (the default on one host), the socket
 (``HORA_PS_SHM=0``, handshake-authenticated, HMAC per message) and the
@@ -26,6 +31,7 @@ should be quiet::
     python benchmarks/kvstore.py
     python benchmarks/kvstore.py --workers 2 --servers 1,2 --sizes 4MiB,16MiB,64MiB --iters 10 --json kv.json
     python benchmarks/kvstore.py --transports shm,tcp,curve --servers 1 --sizes 64MiB --iters 30 --repeat 3
+    python benchmarks/kvstore.py --optimizers sgd,sgd+momentum,adam,adagrad,lamb --servers 1 --sizes 64MiB --repeat 3
 """
 
 from __future__ import annotations
@@ -67,7 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-mxnet", action="store_true", help="skip the MXNet peer")
     p.add_argument("--no-allreduce", action="store_true", help="skip hora's dist_sync_allreduce row")
     p.add_argument("--transports", default="", help=f"compare hora's transports instead ({', '.join(TRANSPORTS)})")
-    p.add_argument("--repeat", type=int, default=1, help="with --transports: interleaved runs of each")
+    p.add_argument("--optimizers", default="", help="compare server optimizers instead (the first is the baseline)")
+    p.add_argument("--repeat", type=int, default=1, help="with --transports/--optimizers: interleaved runs of each")
     p.add_argument("--mxnet-venv", type=Path, default=Path(os.environ.get("HORA_MXNET_VENV", DEFAULT_VENV)),
                    help="venv of the MXNet peer (created by setup.sh when missing)")
     p.add_argument("--link", default="auto", help="link rate for the cost model ('auto': loopback measured)")
@@ -80,6 +87,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except (HoraError, ValueError) as e:
         p.error(str(e))
     args.transport_list = [t.strip() for t in args.transports.split(",") if t.strip()]
+    args.optimizer_list = [t.strip().lower() for t in args.optimizers.split(",") if t.strip()]
+    from hora.kvstore.optimizer import OPTIMIZERS
+
+    bad = [o for o in args.optimizer_list if o.removesuffix("+momentum") not in OPTIMIZERS]
+    if bad:
+        p.error(f"unknown server optimizers {bad} (choose from {', '.join(OPTIMIZERS)}, or sgd+momentum)")
     unknown = [t for t in args.transport_list if t not in TRANSPORTS]
     if unknown or args.repeat < 1:
         p.error(f"unknown transports {unknown} (choose from {', '.join(TRANSPORTS)}) or --repeat {args.repeat} < 1")
@@ -165,8 +178,23 @@ def transport_rows(args: argparse.Namespace, options: RunOptions, model: Any) ->
     return rows
 
 
-def transport_table(rows: list[dict[str, Any]]) -> str:
-    """Per (size, servers): each transport's median over rounds (and its spread), and over the first transport."""
+def optimizer_rows(args: argparse.Namespace, options: RunOptions, model: Any) -> list[dict[str, Any]]:
+    """hora ``dist_sync`` with each of ``args.optimizer_list`` on the servers, ``args.repeat`` interleaved rounds;
+    one row per (round, optimizer, servers, size), tagged ``transport`` (the optimizer) and ``round``."""
+    rows: list[dict[str, Any]] = []
+    for round_ in range(args.repeat):
+        for name in args.optimizer_list:
+            print(f"hora dist_sync with {name} on the servers (round {round_ + 1}/{args.repeat}) ...", file=sys.stderr,
+                  flush=True)
+            config = hkv.KVStoreConfig(sizes=args.size_list, workers=args.workers, servers=args.server_list,
+                                       allreduce=False, backend=args.backend, iters=args.iters, warmup=args.warmup,
+                                       optimizer=name)
+            rows += [{**row, "transport": name, "round": round_} for row in hkv.run(config, options, model)]
+    return rows
+
+
+def transport_table(rows: list[dict[str, Any]], label: str = "transport") -> str:
+    """Per (size, servers): each transport's (or optimizer's) median over rounds, its spread, and over the first."""
     names = list(dict.fromkeys(r["transport"] for r in rows))
     body = []
     for nbytes, servers in sorted({(r["bytes"], r["servers"]) for r in rows}):
@@ -177,8 +205,7 @@ def transport_table(rows: list[dict[str, Any]]) -> str:
             spread = ", ".join(fmt_seconds(x) for x in times[n])
             body.append([fmt_bytes(nbytes), str(servers), n, fmt_seconds(median[n]), spread,
                          fmt_ratio(ratio(median[n], median[names[0]]))])
-    return markdown_table(["size", "servers", "transport", "push+pull (median)", "each round",
-                           f"over {names[0]}"], body)
+    return markdown_table(["size", "servers", label, "push+pull (median)", "each round", f"over {names[0]}"], body)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,6 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     options = RunOptions(timeout_s=args.timeout)
     model = cost_model(args.link, None, options)
+    if args.optimizer_list:
+        rows = optimizer_rows(args, options, model)
+        print(f"\n{args.workers} workers on localhost, {args.repeat} interleaved round(s)\n")
+        print(transport_table(rows, "server optimizer"))
+        if args.json is not None:
+            write_json({"benchmark": "kvstore-optimizers", "machine": machine(), "model": model_doc(model),
+                        "rows": rows}, str(args.json))
+        return 0
     if args.transport_list:
         rows = transport_rows(args, options, model)
         print(f"\n{args.workers} workers on localhost, {args.repeat} interleaved round(s)\n")

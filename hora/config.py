@@ -598,3 +598,21 @@ class PSConfig:
         )
         values.update(overrides)
         return cls(**values)
+
+
+def ps_optimizer_modules(env: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The modules that register users' own optimizers for the parameter servers (``HORA_PS_OPTIMIZER_MODULES``).
+
+    A comma-separated list of importable module names.  Servers and workers
+    import them before they look an optimizer up by name, so an optimizer that
+    is not one of MXNet's runs on the servers only when the job names the code
+    that defines it: an explicit, auditable choice (nothing is unpickled).
+    """
+    env = os.environ if env is None else env
+    raw = env.get(envvars.HORA_PS_OPTIMIZER_MODULES, "")
+    names = tuple(n.strip() for n in raw.split(",") if n.strip())
+    for name in names:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise ConfigError(f"{envvars.HORA_PS_OPTIMIZER_MODULES}={raw!r}: {name!r} is not a module name "
+                              "(give importable modules, comma-separated)")
+    return names

@@ -47,6 +47,8 @@ class KVStoreConfig:
         allreduce: also run ``dist_sync_allreduce`` on the same load.
         backend: hora controller of the workers (and of the allreduce store).
         iters, warmup: timed and untimed push+pull iterations per size.
+        optimizer: a server optimizer by name (``sgd``, ``adam``, ...; MXNet's
+            defaults; ``sgd+momentum``: momentum 0.9); empty: the servers keep the sum.
     """
 
     sizes: Sequence[int]
@@ -56,6 +58,7 @@ class KVStoreConfig:
     backend: str = "gloo"
     iters: int = 10
     warmup: int = 2
+    optimizer: str = ""
 
     def __post_init__(self) -> None:
         if not self.sizes or any(s <= 0 or s % 4 for s in self.sizes):
@@ -77,7 +80,7 @@ class KVStoreConfig:
     def worker_args(self, kvstore: str) -> list[str]:
         """Arguments of :mod:`hora.bench.workers.kvstore`."""
         return ["--kvstore", kvstore, "--sizes", ",".join(map(str, self.sizes)), "--iters", str(self.iters),
-                "--warmup", str(self.warmup)]
+                "--warmup", str(self.warmup), *(["--optimizer", self.optimizer] if self.optimizer else [])]
 
 
 def why_unavailable(kvstore: str) -> str | None:

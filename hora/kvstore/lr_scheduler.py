@@ -199,14 +199,46 @@ class PolyScheduler(LRScheduler):
                 "pwr": self.power, "final_lr": self.final_lr, **self._warmup_spec()}
 
 
+class CosineScheduler(LRScheduler):
+    """Cosine decay from ``base_lr`` to ``final_lr`` over ``max_update`` updates (after any warmup).
+
+    ``lr = final_lr + (base_lr - final_lr) * (1 + cos(pi * (n - warmup) / (max_update - warmup))) / 2``
+    for ``n <= max_update``, then constant; like :class:`PolyScheduler` it
+    uses the ``base_lr`` given to the constructor.
+    """
+
+    type_name = "cosine"
+
+    def __init__(self, max_update: int, base_lr: float = 0.01, final_lr: float = 0.0, warmup_steps: int = 0,
+                 warmup_begin_lr: float = 0.0, warmup_mode: str = "linear") -> None:
+        super().__init__(base_lr, warmup_steps, warmup_begin_lr, warmup_mode)
+        self.max_update = _number("max_update", max_update, minimum=1, integer=True)
+        self.final_lr = _number("final_lr", final_lr)
+        self.base_lr_orig = self.base_lr
+        self.max_steps = self.max_update - self.warmup_steps
+
+    def __call__(self, num_update: int) -> float:
+        if num_update < self.warmup_steps:
+            return self.get_warmup_lr(num_update)
+        if num_update <= self.max_update:
+            phase = math.pi * (num_update - self.warmup_steps) / self.max_steps
+            self.base_lr = self.final_lr + (self.base_lr_orig - self.final_lr) * (1 + math.cos(phase)) / 2
+        return self.base_lr
+
+    def spec(self) -> dict[str, Any]:
+        return {"type": self.type_name, "max_update": self.max_update, "base_lr": self.base_lr_orig,
+                "final_lr": self.final_lr, **self._warmup_spec()}
+
+
 SCHEDULERS: dict[str, type[LRScheduler]] = {
-    cls.type_name: cls for cls in (FactorScheduler, MultiFactorScheduler, PolyScheduler)
+    cls.type_name: cls for cls in (FactorScheduler, MultiFactorScheduler, PolyScheduler, CosineScheduler)
 }
 
 _FIELDS = {
     "factor": {"step", "factor", "stop_factor_lr", "base_lr", "warmup_steps", "warmup_begin_lr", "warmup_mode"},
     "multifactor": {"step", "factor", "base_lr", "warmup_steps", "warmup_begin_lr", "warmup_mode"},
     "poly": {"max_update", "base_lr", "pwr", "final_lr", "warmup_steps", "warmup_begin_lr", "warmup_mode"},
+    "cosine": {"max_update", "base_lr", "final_lr", "warmup_steps", "warmup_begin_lr", "warmup_mode"},
 }
 
 
@@ -232,5 +264,5 @@ def scheduler_from_spec(spec: Mapping[str, Any]) -> LRScheduler:
         raise ConfigError(f"lr_scheduler {kind!r}: {e}") from e
 
 
-__all__ = ["LRScheduler", "FactorScheduler", "MultiFactorScheduler", "PolyScheduler", "SCHEDULERS",
+__all__ = ["LRScheduler", "FactorScheduler", "MultiFactorScheduler", "PolyScheduler", "CosineScheduler", "SCHEDULERS",
            "scheduler_from_spec"]

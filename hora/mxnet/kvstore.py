@@ -34,6 +34,7 @@ from hora.core.ops import ReduceOp
 from hora.errors import ConfigError
 from hora.mxnet import engine, mpi_ops
 from hora.mxnet.buffers import check_ndarray, copy_into, engine_view, on_host, read_view, write_view
+from hora.mxnet.server_optimizer import hora_optimizer_of
 
 log = logging.getLogger(__name__)
 
@@ -124,10 +125,16 @@ class HoraAllreduceStore(KVStoreBase):
                     summed.copyto(t)
 
     def set_optimizer(self, optimizer: Any) -> None:
-        """Refused: the store runs no optimizer (see the message)."""
+        """Refused: the store runs no optimizer (MXNet's ``horovod`` store silently ignores it; see the message)."""
         raise ConfigError("the 'hora' KVStore runs no optimizer (is_capable('optimizer') is False): let "
                           "gluon.Trainer update on the workers (update_on_kvstore=False), or use 'hora_dist_sync' "
                           "for an optimizer on parameter servers")
+
+    def set_gradient_compression(self, compression_params: dict[str, Any]) -> None:
+        """Refused with what to use instead (MXNet's ``horovod`` store has no such method at all)."""
+        raise ConfigError(f"the 'hora' KVStore does not compress gradients ({compression_params!r}): pass "
+                          "hvd.DistributedTrainer(..., compression=hvd.Compression.fp16) for allreduce, or use "
+                          "'hora_dist_sync', whose servers decode MXNet's 2-bit compression")
 
     @staticmethod
     def is_capable(capability: str) -> bool:
@@ -147,45 +154,24 @@ class HoraAllreduceStore(KVStoreBase):
         return runtime.current().engine.rank
 
     @property
+    def local_rank(self) -> int:
+        """This worker's rank among the workers on its host (MXNet's ``horovod`` store has it too)."""
+        return runtime.current().engine.topology.local_rank
+
+    @property
     def num_workers(self) -> int:
         """Number of workers in the job."""
         return runtime.current().engine.size
 
     def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
-        """Write the optimizer state to ``fname`` (servers' state for the PS-backed stores)."""
-        raise ConfigError("the 'hora' KVStore holds no optimizer state; use gluon.Trainer.save_states")
+        """Refused: the store holds no optimizer state (MXNet's ``horovod`` store silently writes nothing)."""
+        raise ConfigError("the 'hora' KVStore holds no optimizer state (the optimizer runs on every worker): save it "
+                          "with gluon.Trainer.save_states, or use 'hora_dist_sync' to keep it on parameter servers")
 
     def load_optimizer_states(self, fname: str) -> None:
-        """Restore the state written by ``save_optimizer_states``."""
-        raise ConfigError("the 'hora' KVStore holds no optimizer state; use gluon.Trainer.load_states")
-
-
-def hora_optimizer_of(optimizer: Any) -> Any:
-    """An ``mx.optimizer`` SGD or Adam as the equivalent :mod:`hora.kvstore.optimizer`, for the servers.
-
-    Raises:
-        ConfigError: another optimizer, or one with an ``lr_scheduler``,
-            which the servers cannot run; the message says what they take.
-    """
-    from hora.kvstore import optimizer as hopt
-
-    if hasattr(optimizer, "spec") and callable(optimizer.spec):
-        return optimizer  # already a hora optimizer
-    kind = type(optimizer).__name__.lower()
-    if kind not in ("sgd", "adam"):
-        raise ConfigError(f"hora's parameter servers run SGD or Adam, not mx.optimizer.{type(optimizer).__name__}; "
-                          "use 'sgd' or 'adam', or update on the workers with kvstore=mx.kv.create('hora')")
-    if getattr(optimizer, "lr_scheduler", None) is not None:
-        raise ConfigError("an mx.lr_scheduler cannot run on hora's parameter servers; pass a "
-                          "hora.kvstore.lr_scheduler through a hora.kvstore optimizer, or set the rate with "
-                          "trainer.set_learning_rate")
-    common = {"learning_rate": float(optimizer.lr), "wd": float(optimizer.wd),
-              "rescale_grad": float(optimizer.rescale_grad), "clip_gradient": optimizer.clip_gradient,
-              "multi_precision": bool(optimizer.multi_precision)}
-    if kind == "sgd":
-        return hopt.SGD(momentum=float(optimizer.momentum), lazy_update=bool(optimizer.lazy_update), **common)
-    return hopt.Adam(beta1=float(optimizer.beta1), beta2=float(optimizer.beta2), epsilon=float(optimizer.epsilon),
-                     lazy_update=bool(optimizer.lazy_update), **common)
+        """Refused: the store holds no optimizer state (MXNet's ``horovod`` store silently reads nothing)."""
+        raise ConfigError("the 'hora' KVStore holds no optimizer state (the optimizer runs on every worker): load it "
+                          "with gluon.Trainer.load_states, or use 'hora_dist_sync' to keep it on parameter servers")
 
 
 class _ServerStore(KVStoreBase):
@@ -361,7 +347,11 @@ class _ServerStore(KVStoreBase):
         self.pull(key, value if out is None else out, priority)
 
     def set_optimizer(self, optimizer: Any) -> None:
-        """Run ``optimizer`` (an ``mx.optimizer`` SGD/Adam, or a hora one) on the servers."""
+        """Run ``optimizer`` (any of MXNet's eighteen ``mx.optimizer`` classes, or a hora one) on the servers.
+
+        It travels as data (see :mod:`hora.mxnet.server_optimizer`); an
+        optimizer class of your own is refused with the two ways out.
+        """
         self._sync()
         self._optimizer = optimizer
         self._store.set_optimizer(hora_optimizer_of(optimizer))

@@ -128,14 +128,18 @@ def async_once(iters: str) -> None:
 
 
 def optimizer(name: str, iters: str, states_file: str) -> None:
-    """Server-side SGD/Adam equals the same optimizer run locally on the summed gradients."""
+    """A server optimizer equals the same optimizer run locally on the summed gradients."""
     from hora.kvstore.lr_scheduler import FactorScheduler
-    from hora.kvstore.optimizer import SGD, Adam, create_updater
+    from hora.kvstore.optimizer import SGD, Adam, create, create_updater
 
     if name == "sgd":
         opt = SGD(learning_rate=0.1, momentum=0.9, wd=1e-3, rescale_grad=0.5)
-    else:
+    elif name == "adam":
         opt = Adam(learning_rate=0.01, wd=1e-4, lr_scheduler=FactorScheduler(step=2, factor=0.5, base_lr=0.01))
+    elif name == "lbsgd":  # integer counters and an accumulated gradient in its per-key state
+        opt = create("lbsgd", learning_rate=0.1, momentum=0.9, batch_scale=2, warmup_epochs=1, updates_per_epoch=3)
+    else:
+        opt = create(name, learning_rate=0.01, wd=1e-4)
     kv = kvs.create("dist_sync")
     rank, workers = kv.rank, kv.num_workers
     keys = ["a", "b", "big"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import msgpack
 import numpy as np
@@ -240,13 +241,14 @@ def test_spec_is_plain_data_and_rebuilds_the_same_optimizer(cls, sched, lr):
 
 
 @pytest.mark.parametrize(("spec", "match"), [
-    ({"type": "rmsprop"}, "rmsprop"),
+    ({"type": "adabelief"}, "adabelief.*HORA_PS_OPTIMIZER_MODULES"),
     ({"type": "sgd", "momentun": 0.9}, "momentun"),
     ({"type": "adam", "momentum": 0.9}, "momentum"),
     ({"type": "sgd", "learning_rate": "0.1"}, "learning_rate"),
     ({"type": "sgd", "learning_rate": float("nan")}, "learning_rate"),
     ({"type": "adam", "beta1": 1.0}, "beta1"),
-    ({"type": "sgd", "lr_scheduler": {"type": "cosine"}}, "cosine"),
+    ({"type": "sgd", "lr_scheduler": {"type": "cosine"}}, "max_update"),
+    ({"type": "sgd", "lr_scheduler": {"type": "onecycle"}}, "onecycle"),
     ({"type": "sgd", "lr_scheduler": {"type": "factor", "step": 2, "gamma": 0.1}}, "gamma"),
     ({"type": "sgd", "lr_scheduler": {"type": "factor"}}, "step"),
     ({"type": "sgd", "lr_mult": [1, 2]}, "lr_mult"),
@@ -262,8 +264,9 @@ def test_create_by_name():
     assert isinstance(kvopt.create("SGD", learning_rate=0.2), kvopt.SGD)
     assert isinstance(kvopt.create("adam"), kvopt.Adam)
     assert kvopt.Adam().lr == 0.001 and kvopt.SGD().lr == 0.01
-    with pytest.raises(ConfigError, match="valid optimizers are: sgd, adam"):
-        kvopt.create("adagrad")
+    assert isinstance(kvopt.create("AdaGrad"), kvopt.AdaGrad)
+    with pytest.raises(ConfigError, match="valid optimizers are: sgd, signum, .*test"):
+        kvopt.create("adabelief")
     with pytest.raises(ConfigError, match="bogus"):
         kvopt.create("sgd", bogus=1)
     assert scheduler_from_spec(FactorScheduler(step=4).spec()).step == 4
@@ -361,3 +364,78 @@ def test_cuda_tensors_follow_the_numpy_rule(make):
         up_cuda("k", torch.from_numpy(g.copy()).cuda(), w_cuda)
     assert all(v.is_cuda for v in up_cuda.states["k"].values())
     torch.testing.assert_close(w_cuda.cpu(), torch.from_numpy(w_np), rtol=1e-6, atol=1e-7)
+
+
+def test_a_users_optimizer_runs_only_once_its_module_is_named(monkeypatch):
+    """A rule of one's own travels by name and is found through HORA_PS_OPTIMIZER_MODULES, never unpickled."""
+    from hora.kvstore.optimizer import registry
+
+    monkeypatch.setattr(registry, "OPTIMIZERS", dict(registry.OPTIMIZERS))
+    monkeypatch.setattr(registry, "_loaded", set())
+    monkeypatch.delitem(sys.modules, "tests.kvstore.custom_optimizer", raising=False)
+    spec = {"type": "halfstep", "learning_rate": 0.5, "scale": 0.5}
+    monkeypatch.delenv("HORA_PS_OPTIMIZER_MODULES", raising=False)
+    with pytest.raises(ConfigError, match="HORA_PS_OPTIMIZER_MODULES"):
+        kvopt.create_updater(spec)
+    monkeypatch.setenv("HORA_PS_OPTIMIZER_MODULES", "tests.kvstore.no_such_module")
+    with pytest.raises(ConfigError, match="no_such_module.*does not import"):
+        kvopt.create_updater(spec)
+    monkeypatch.setenv("HORA_PS_OPTIMIZER_MODULES", "tests.kvstore.custom_optimizer, ")
+    upd = kvopt.create_updater(spec)
+    w = np.ones(3, np.float32)
+    upd("k", np.full(3, 2.0, np.float32), w)
+    np.testing.assert_array_equal(w, np.full(3, 0.5, np.float32))
+    monkeypatch.setenv("HORA_PS_OPTIMIZER_MODULES", "not a module")
+    with pytest.raises(ConfigError, match="not a module name"):
+        registry.load_modules()
+
+
+def test_mxnets_names_cannot_be_taken_over():
+    class Fake(kvopt.Optimizer):
+        type_name = "adam"
+
+    with pytest.raises(ConfigError, match="MXNet's Adam"):
+        kvopt.register(Fake)
+
+
+def test_shared_optimizer_state_travels_with_the_key_states():
+    """Nadam's momentum schedule lives once per optimizer: the per-key states a server sends (and the dist
+    state file joins and splits) carry it, so a restored server goes on exactly."""
+    from hora.kvstore.ps import states
+    from hora.kvstore.ps.placement import Shard
+
+    rng = np.random.default_rng(5)
+    grads = [{k: rng.standard_normal(6).astype(f32) for k in ("a", "b")} for _ in range(4)]
+    a = kvopt.Updater(kvopt.Nadam(learning_rate=0.01))
+    wa = {k: np.linspace(-1, 1, 6, dtype=f32) for k in ("a", "b")}
+    for g in grads[:2]:
+        for k in ("a", "b"):
+            a(k, g[k], wa[k])
+    b = kvopt.Updater(kvopt.Nadam(learning_rate=0.01))
+    shards = [Shard(server=0, lo=0, hi=3), Shard(server=1, lo=3, hi=6)]
+    for k in ("a", "b"):
+        parts = states.split((6,), shards, a.key_states(k))
+        assert parts[0]["shared.m_schedule"] == parts[1]["shared.m_schedule"]
+        b.set_key_states(k, states.join((6,), shards, parts))
+    assert b.optimizer.m_schedule == a.optimizer.m_schedule != 1.0
+    wb = {k: v.copy() for k, v in wa.items()}
+    for g in grads[2:]:
+        for k in ("a", "b"):
+            a(k, g[k], wa[k])
+            b(k, g[k], wb[k])
+    for k in ("a", "b"):
+        np.testing.assert_array_equal(wa[k], wb[k])
+
+
+@pytest.mark.parametrize("name", ["adagrad", "lamb", "nag"])
+def test_numpy_rules_update_torch_tensors_in_place(name):
+    """Rules written for NumPy update a torch tensor through a host view (CPU) and leave the same bits."""
+    rng = np.random.default_rng(9)
+    w0 = rng.standard_normal(10).astype(f32)
+    grads = [rng.standard_normal(10).astype(f32) for _ in range(3)]
+    u_np, u_t = kvopt.Updater(kvopt.create(name, wd=0.01)), kvopt.Updater(kvopt.create(name, wd=0.01))
+    w, t = w0.copy(), torch.from_numpy(w0.copy())
+    for g in grads:
+        u_np("k", g, w)
+        u_t("k", torch.from_numpy(g), t)
+    np.testing.assert_array_equal(t.numpy(), w)

@@ -61,7 +61,7 @@ def test_async_applies_every_push_once(tmp_path):
         assert c.wait_roles() == [0, 0, 0], c.report()
 
 
-@pytest.mark.parametrize("name", ["sgd", "adam"])
+@pytest.mark.parametrize("name", ["sgd", "adam", "lbsgd", "rmsprop", "ftml"])
 def test_server_optimizer_matches_local(tmp_path, name):
     """The servers' optimizer equals the same optimizer run locally; its states save and load."""
     with Cluster(tmp_path, 2, 2, env=SPLIT) as c:

@@ -40,7 +40,28 @@ def test_training_matches_one_process(ranks):
 def test_gluon_trainer_on_hora_parameter_servers(store):
     proc = hora_run(2, [sys.executable, "tests/mxnet/scripts/ps_train_job.py", "--kv-store", store], timeout=150,
                     extra_args=["-s", "2"])
-    _ok(proc, f"ps training ok ({store})", 2)
+    _ok(proc, f"ps training ok ({store}, sgd)", 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("optimizer", ["adam", "lamb"])
+def test_gluon_trainer_sends_other_optimizers_to_the_servers(optimizer):
+    """gluon.Trainer(..., kvstore='hora_dist_sync') with each optimizer trains as one process does."""
+    proc = hora_run(2, [sys.executable, "tests/mxnet/scripts/ps_train_job.py", "--kv-store", "hora_dist_sync",
+                        "--optimizer", optimizer], timeout=150, extra_args=["-s", "2"])
+    _ok(proc, f"ps training ok (hora_dist_sync, {optimizer})", 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("store", ["hora_dist_sync", "hora_dist_async"])
+def test_server_optimizers_match_mxnets_updater_bit_for_bit(store):
+    """kv.set_optimizer with ten of MXNet's optimizers (a scheduler, multipliers, a key split over both servers):
+    the pulled weights equal MXNet's own updater applied to what the servers received."""
+    proc = hora_run(2, [sys.executable, "tests/mxnet/scripts/ps_optimizers_job.py", "--kv-store", store],
+                    timeout=150, extra_args=["-s", "2"])
+    _ok(proc, f"ps optimizers ok ({store})", 2)
 
 
 @pytest.mark.timeout(150)

@@ -52,10 +52,25 @@ def test_mxnet_optimizers_become_server_optimizers():
     assert (sgd.lr, sgd.momentum, sgd.wd, sgd.rescale_grad) == (0.3, 0.9, 1e-4, 0.125)
     adam = hora_optimizer_of(mx.optimizer.Adam(learning_rate=0.01, beta1=0.8))
     assert isinstance(adam, hopt.Adam) and adam.beta1 == 0.8
-    with pytest.raises(ConfigError, match="SGD or Adam"):
-        hora_optimizer_of(mx.optimizer.RMSProp())
-    with pytest.raises(ConfigError, match="lr_scheduler"):
-        hora_optimizer_of(mx.optimizer.SGD(lr_scheduler=mx.lr_scheduler.FactorScheduler(step=10)))
+    adagrad = hora_optimizer_of(mx.optimizer.AdaGrad(eps=1e-5))
+    assert isinstance(adagrad, hopt.AdaGrad) and adagrad.eps == 1e-5
+    sched = hora_optimizer_of(mx.optimizer.SGD(lr_scheduler=mx.lr_scheduler.FactorScheduler(step=10, factor=0.5)))
+    assert sched.lr_scheduler.spec()["step"] == 10 and sched.lr_scheduler.factor == 0.5
+    with pytest.raises(ConfigError, match="MXNet 1.9.1's DCASGD fails"):
+        hora_optimizer_of(mx.optimizer.DCASGD(momentum=0.9))
+
+    class MySGD(mx.optimizer.SGD):
+        pass
+
+    with pytest.raises(ConfigError, match="update_on_kvstore=False.*HORA_PS_OPTIMIZER_MODULES"):
+        hora_optimizer_of(MySGD())
+
+    class CustomScheduler(mx.lr_scheduler.LRScheduler):
+        def __call__(self, num_update):
+            return 0.1
+
+    with pytest.raises(ConfigError, match="cannot travel"):
+        hora_optimizer_of(mx.optimizer.SGD(lr_scheduler=CustomScheduler()))
 
 
 def test_split_list_cuts_into_nearly_equal_consecutive_parts():
@@ -126,3 +141,26 @@ def test_engine_operations_hold_back_later_operators_until_they_complete():
     with pytest.raises(ValueError, match="twice"):
         engine.push_sync(lambda: None, reads=[], writes=[dst, dst])
     mx.nd.waitall()
+
+
+def test_an_mxnet_optimizer_of_ones_own_travels_once_registered_on_the_servers(monkeypatch):
+    """An mx.optimizer subclass whose name a module in HORA_PS_OPTIMIZER_MODULES registers is sent as data."""
+    import sys
+
+    import mxnet as mx
+
+    from hora.kvstore.optimizer import registry
+    from hora.mxnet.server_optimizer import hora_optimizer_of
+
+    monkeypatch.setattr(registry, "OPTIMIZERS", dict(registry.OPTIMIZERS))
+    monkeypatch.setattr(registry, "_loaded", set())
+    monkeypatch.delitem(sys.modules, "tests.kvstore.custom_optimizer", raising=False)
+    monkeypatch.setenv("HORA_PS_OPTIMIZER_MODULES", "tests.kvstore.custom_optimizer")
+
+    class HalfStep(mx.optimizer.Optimizer):
+        def __init__(self, scale=0.5, **kwargs):
+            super().__init__(**kwargs)
+            self.scale = scale
+
+    spec = hora_optimizer_of(HalfStep(scale=0.25, learning_rate=0.2)).spec()
+    assert spec["type"] == "halfstep" and spec["scale"] == 0.25 and spec["learning_rate"] == 0.2

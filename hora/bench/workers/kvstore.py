@@ -4,7 +4,9 @@ The same load as ``benchmarks/mxnet_peer/kvstore_bench.py`` runs on MXNet:
 one float32 key per size, inited by worker 0, then per iteration a barrier,
 ``push`` of a gradient of ones and ``pull(out=...)``.  The first pull is
 checked: with no updater the store holds the sum of the workers' pushes, so
-every element must equal the number of workers.  Works for every
+every element must equal the number of workers.  ``--optimizer NAME`` runs
+that server optimizer on every push instead (its update is then part of the
+time).  Works for every
 distributed type (``dist_sync`` with servers from ``hora run -s S``,
 ``dist_sync_allreduce`` without).
 """
@@ -26,6 +28,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sizes", required=True, help="comma-separated sizes in bytes, multiples of 4")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--optimizer", default="", help="a server optimizer by name, MXNet's defaults; 'sgd+momentum' is "
+                                                   "SGD with momentum 0.9")
     return p.parse_args(argv)
 
 
@@ -38,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
 
     kv = kvs.create(args.kvstore)
     rank, workers = kv.rank, kv.num_workers
+    if args.optimizer:
+        name, momentum = args.optimizer.removesuffix("+momentum"), args.optimizer.endswith("+momentum")
+        kv.set_optimizer(kvs.optimizer.create(name, **({"momentum": 0.9} if momentum else {})))
     sizes = [int(s) for s in args.sizes.split(",")]
     times: dict[str, list[float]] = {}
     cpu: dict[str, dict[str, float] | None] = {}
@@ -55,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                 kv.push(key, grad)
                 kv.pull(key, out=out)
                 dt = time.perf_counter() - t0
-                if i == 0 and not np.all(out == workers):
+                if i == 0 and not args.optimizer and not np.all(out == workers):
                     raise SystemExit(f"worker {rank}: pulled {out[:3].tolist()} for key {key}, "
                                      f"expected {workers} everywhere")
                 if i >= args.warmup:

@@ -112,4 +112,4 @@ def _array(rec: Any, where: str) -> np.ndarray:
     dtype = DTYPES[rec["dtype"]]
     if len(rec["data"]) != dtype.itemsize * math.prod(rec["shape"]):
         raise ConfigError(f"{where}: {len(rec['data'])} bytes do not hold {rec['dtype']}{rec['shape']}")
-    return np.frombuffer(rec["data"], dtype=dtype).reshape(rec["shape"]).copy()
+    return np.frombuffer(rec["data"], dtype=dtype).reshape(tuple(rec["shape"])).copy()

@@ -99,12 +99,41 @@ def distributed_trainer(rank: int, size: int, want: list[np.ndarray], **kwargs) 
     return weights(net)
 
 
+def check_hora_store_surface(kv) -> None:
+    """What MXNet's ``horovod`` store offers, and a clear error where the allreduce store has nothing to do."""
+    from hora.errors import ConfigError
+
+    assert kv.local_rank == hvd.local_rank()
+    for call, args in ((kv.set_optimizer, (mx.optimizer.SGD(),)), (kv.save_optimizer_states, ("x.states",)),
+                       (kv.load_optimizer_states, ("x.states",)),
+                       (kv.set_gradient_compression, ({"type": "2bit", "threshold": 0.5},))):
+        try:
+            call(*args)
+        except ConfigError as e:
+            assert "hora_dist_sync" in str(e), e
+        else:
+            raise AssertionError(f"{call.__name__} was accepted by the 'hora' store")
+    try:
+        kv.is_capable("telepathy")
+    except ValueError as e:
+        assert "telepathy" in str(e), e
+    else:
+        raise AssertionError("an unknown capability was answered")
+    value = mx.nd.ones((2, 3)) * (kv.rank + 1)
+    out = mx.nd.zeros((2, 3))
+    kv.broadcast("surface.b", value, out=out)
+    assert (out.asnumpy() == 1).all()
+    kv.pushpull("surface.p", value)
+    assert (value.asnumpy() == kv.num_workers * (kv.num_workers + 1) / 2).all()
+
+
 def check_hora_kvstore(rank: int, size: int, want: list[np.ndarray]) -> None:
     xs, ys = data(size)
     net = model(seed=7)
     net(xs[0][:1])
     kv = mx.kv.create("hora")
     assert kv.type == "hora" and kv.rank == rank and kv.num_workers == size and not kv.is_capable("optimizer")
+    check_hora_store_surface(kv)
     trainer = gluon.Trainer(net.collect_params(), "sgd", dict(OPT), kvstore=kv)
     train(net, trainer, xs, ys, slice(rank * B, (rank + 1) * B), B * size)  # the store sums: pass the global batch
     close(weights(net), want, "gluon.Trainer(kvstore='hora') differs from one process")
