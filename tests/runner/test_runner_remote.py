@@ -24,7 +24,7 @@ from hora.runner.launch_config import LaunchConfig
 from hora.runner.launchers.base import JobResult, RankExit, Slot
 from hora.runner.launchers.mpi import mpi_launch_available, mpirun_command, mpirun_path
 from hora.runner.launchers.registry import detect_launcher
-from hora.runner.launchers.slurm import allocation_hosts, expand_counts, srun_command
+from hora.runner.launchers.slurm import allocation_hosts, expand_counts, srun_command, watch_command
 from hora.runner.output import OutputSink, log_directory, split_prefixed
 from hora.runner.plan import PS_NODE_MODULE, plan_slots, slot_command
 from hora.runner.ssh import SshOptions, agent_command
@@ -317,6 +317,11 @@ def test_slurm_topology_and_srun_command(monkeypatch, tmp_path):
     command = srun_command(config(num_proc=6, launcher="local"), "/usr/bin/srun")
     assert command[:5] == ["/usr/bin/srun", "--ntasks", "6", "--kill-on-bad-exit=1", "--export=ALL"]
     assert command[-5:] == ["-m", "hora.runner.mpi_child", "--", "python", "train.py"]
+    # the host watch's agent: a step of its own on one node, sharing the ranks' CPUs
+    watch = watch_command("/usr/bin/srun", "h2", "/opt/bin")
+    assert watch[:7] == ["/usr/bin/srun", "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=h2", "--export=ALL",
+                         "--quiet"]
+    assert watch[7:9] == ["sh", "-c"] and watch[9].startswith("PATH=/opt/bin:")
 
 
 # --- output and the report ---------------------------------------------------------------------

@@ -8,7 +8,11 @@ rank's exit is reported.  Ranks read their place in the job from srun's
 ``SLURM_TASKS_PER_NODE`` (see :mod:`hora.core.topology`).  Rank 0 runs on
 the first node of the allocation, so that node is the rendezvous address.
 With ``--kill-on-bad-exit``, Slurm itself stops every rank when one fails;
-hora names the root cause from the wrappers' reports.
+hora names the root cause from the wrappers' reports.  On several nodes, a
+beat-only agent per other node (a :class:`~hora.runner.launchers.ssh.HostWatch`
+reached with ``srun --overlap``, see :func:`watch_command`) beats with hora
+run: a node that stops answering ends the job within ``HORA_HEARTBEAT_TIMEOUT``
+and the report names it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from hora import envvars
+from hora.config import HeartbeatConfig
 from hora.errors import LaunchError
 from hora.placement import HostSlots
 from hora.runner.env import Endpoints, free_port, interface_address
@@ -40,6 +45,7 @@ from hora.runner.launchers.registry import (
     Request,
 )
 from hora.runner.output import OutputSink
+from hora.runner.ssh import SshOptions, agent_command
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +137,16 @@ def srun_command(config: LaunchConfig, srun: str) -> list[str]:
     return command
 
 
+def watch_command(srun: str, host: str, path: str | None) -> list[str]:
+    """A beat-only agent on ``host`` as a job step of its own beside the ranks' (``srun --overlap``).
+
+    srun is the allocation's own authenticated way onto its nodes, where ssh
+    may be refused; ``--overlap`` shares the CPUs the ranks' step holds.
+    """
+    return [srun, "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--export=ALL", "--quiet",
+            "sh", "-c", agent_command(path)]
+
+
 class SlurmLauncher(Launcher):
     """Runs the ranks with srun inside the current allocation (see :class:`Launcher`)."""
 
@@ -198,7 +214,19 @@ class SlurmLauncher(Launcher):
             )
         except OSError as e:
             raise LaunchError(f"cannot start srun {command[0]!r}: {e.strerror or e}") from e
-        return ToolSupervisor(proc, slots, sink, interrupt, config.grace_period, tool="srun").run()
+        hosts = list(dict.fromkeys(s.host for s in slots))
+        watch = None
+        if len(hosts) > 1:
+            from hora.runner.launchers.ssh import HostWatch  # the ssh launcher's agents, in watch mode
+
+            srun, path = command[0], env.get("PATH")
+            watch = HostWatch(hosts, SshOptions.from_config(config), HeartbeatConfig.from_env(), path=path,
+                              command=lambda host: watch_command(srun, host, path), via="srun")
+        try:
+            return ToolSupervisor(proc, slots, sink, interrupt, config.grace_period, tool="srun", watch=watch).run()
+        finally:
+            if watch is not None:
+                watch.close()
 
     def close(self) -> None:
         """Nothing to release: srun has ended when :meth:`run` returns."""

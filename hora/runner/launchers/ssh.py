@@ -39,7 +39,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hora import envvars
@@ -479,14 +479,20 @@ class HostWatch:
     connects cannot beat for itself).  The handshake runs on a thread, so the
     job starts without waiting for it; a host whose agent cannot be started is
     not watched (what runs there fails on its own).  :meth:`lost` says which
-    hosts stopped answering since the last call.
+    hosts stopped answering since the last call.  ``command`` builds the
+    command that reaches a host's agent (default: ssh); the slurm launcher
+    passes ``srun --overlap``.
     """
 
     def __init__(self, hosts: Sequence[str], ssh: SshOptions, heartbeat: HeartbeatConfig,
-                 path: str | None = None) -> None:
+                 path: str | None = None, command: Callable[[str], list[str]] | None = None,
+                 via: str = "ssh") -> None:
         self.heartbeat = heartbeat
         self.ssh = ssh
         self.path = path
+        # How an agent is reached on a host; a batch system's own channel (srun) where ssh may be refused.
+        self.command = command or (lambda host: self.ssh.command(host, agent_command(self.path)))
+        self.via = via
         self.liveness = Liveness(heartbeat.timeout_s)
         self.events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         self.agents: dict[str, _Agent] = {}
@@ -507,7 +513,7 @@ class HostWatch:
         if agent is not None and agent.proc.poll() is None:
             return
         try:
-            self.agents[host] = _Agent(host, False, self.ssh.command(host, agent_command(self.path)), self.events)
+            self.agents[host] = _Agent(host, False, self.command(host), self.events, via=self.via)
         except LaunchError as e:
             logger.warning("cannot watch %s: %s", host, e)
 
