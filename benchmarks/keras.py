@@ -308,7 +308,7 @@ def run_case(case: str, args: argparse.Namespace) -> dict:
         if case == "single":
             cmd = [*me, "--worker", "single"]
         elif case == "mpi4py":
-            from hora.runner.config import mpirun_path
+            from hora.runner.launchers.mpi import mpirun_path
 
             cmd = [mpirun_path() or "mpirun", "-np", "2", "--oversubscribe", *me, "--worker", "mpi4py"]
             if os.geteuid() == 0:

@@ -330,6 +330,54 @@ class ElasticConfig:
         )
 
 
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RunDefaults:
+    """The flags of ``hora run`` that fall back on the environment it runs in, as MXNet's and Horovod's launchers do.
+
+    Attributes:
+        num_servers: ``-s``, else ``DMLC_NUM_SERVER``, else 0.
+        network_interface: ``--network-interface``, else ``DMLC_INTERFACE``, else None.
+        elastic_timeout: ``--elastic-timeout``, else ``HORA_ELASTIC_TIMEOUT`` or
+            ``HOROVOD_ELASTIC_TIMEOUT``, else 600 seconds.
+    """
+
+    num_servers: int = 0
+    network_interface: str | None = None
+    elastic_timeout: float = 600.0
+
+    @classmethod
+    def from_env(
+        cls,
+        env: Mapping[str, str] | None = None,
+        *,
+        num_servers: int | None = None,
+        network_interface: str | None = None,
+        elastic_timeout: float | None = None,
+    ) -> RunDefaults:
+        """Fill each field from its flag when given (not None), else from ``env`` (default: the process's).
+
+        Raises:
+            ConfigError: a variable the flag falls back on has a malformed value.
+        """
+        env = os.environ if env is None else env
+        if num_servers is None:
+            raw = _lookup(env, envvars.DMLC_NUM_SERVER) or "0"
+            if not raw.isdigit():
+                raise ConfigError(f"{envvars.DMLC_NUM_SERVER}={raw!r} is not a number of servers")
+            num_servers = int(raw)
+        if elastic_timeout is None:
+            raw = _lookup(env, envvars.HORA_ELASTIC_TIMEOUT, envvars.HOROVOD_ELASTIC_TIMEOUT)
+            try:
+                elastic_timeout = float(raw) if raw else 600.0
+            except ValueError:
+                raise ConfigError(f"{envvars.HOROVOD_ELASTIC_TIMEOUT}={raw!r} is not a number of seconds") from None
+        return cls(
+            num_servers=num_servers,
+            network_interface=network_interface or _lookup(env, envvars.DMLC_INTERFACE),
+            elastic_timeout=elastic_timeout,
+        )
+
+
 def interface_names(value: str) -> list[str]:
     """The interfaces of a comma-separated list (``eth0,eth1``), as ``GLOO_SOCKET_IFNAME`` takes them."""
     return [name.strip() for name in value.split(",") if name.strip()]

@@ -7,7 +7,7 @@ only (``tests/unit/test_env_contract.py`` checks that what each launcher sets
 is what a worker reads).  Each constant is spelled as the variable it names.
 
 What a worker of ``hora run`` gets (the rank variables are added per worker,
-see :meth:`hora.runner.launchers.base.Slot.env`):
+see :meth:`hora.placement.Placement.env`):
 
 ==========================  ==================================================
 ``HORA_RANK`` ...           rank, size, local/cross rank and size, hostname
@@ -217,6 +217,10 @@ SLURM_TASKS_PER_NODE = "SLURM_TASKS_PER_NODE"
 SLURM_JOB_ID = "SLURM_JOB_ID"
 SLURM_JOB_NODELIST = "SLURM_JOB_NODELIST"
 SLURM_NODELIST = "SLURM_NODELIST"
+#: What the grid engine (SGE) sets in a parallel job: the granted hosts and slots, the job id, the PE's name.
+PE_HOSTFILE = "PE_HOSTFILE"
+JOB_ID = "JOB_ID"
+PE = "PE"
 
 #: Where the per-rank wrapper under mpirun or srun finds its rank; Open MPI first, because
 #: mpirun inside a Slurm allocation inherits the batch step's ``SLURM_PROCID``.

@@ -93,7 +93,7 @@ def why_unavailable(kvstore: str) -> str | None:
     if not found:
         return f"{module} is not importable yet (it comes with the KVStore issue)"
     if kvstore != "dist_sync_allreduce":
-        from hora.runner.config import LaunchConfig
+        from hora.runner.launch_config import LaunchConfig
 
         try:
             LaunchConfig(command=["true"], num_proc=1, num_servers=1)
@@ -118,7 +118,8 @@ def layout(spec: JobSpec) -> tuple[list[str], list[str]] | None:
     if not (spec.hosts or spec.hostfile) or spec.num_servers < 1:
         return None
     try:
-        from hora.runner.config import LaunchConfig, parse_hostfile
+        from hora.runner.hostlist import parse_hostfile
+        from hora.runner.launch_config import LaunchConfig
         from hora.runner.plan import plan_slots
 
         hosts = parse_hostfile(spec.hostfile) if spec.hostfile else spec.hosts

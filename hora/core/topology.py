@@ -14,38 +14,22 @@ from collections.abc import Mapping
 
 from hora import envvars
 from hora.errors import TopologyError
+from hora.placement import Placement
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class Topology:
-    """Rank layout of the job.
+class Topology(Placement):
+    """This process's :class:`~hora.placement.Placement`, and which launcher started it.
 
-    ``cross_rank`` is the index of this host among all hosts and
-    ``cross_size`` the number of hosts, as in Horovod (for a homogeneous job
-    ``size == local_size * cross_size``).
+    ``launcher`` is ``"hora"``, ``"mpi"``, ``"torchrun"``, ``"slurm"`` or
+    ``"single"`` (no launcher recognised: a one-process job).
     """
 
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
-    hostname: str
-    launcher: str  # "hora", "mpi", "torchrun", "slurm" or "single"
-
-    def __post_init__(self) -> None:
-        if self.size < 1:
-            raise TopologyError(f"size={self.size} must be >= 1")
-        if not 0 <= self.rank < self.size:
-            raise TopologyError(f"rank={self.rank} is outside [0, size={self.size})")
-        if not 0 <= self.local_rank < self.local_size:
-            raise TopologyError(f"local_rank={self.local_rank} is outside [0, local_size={self.local_size})")
-        if not 0 <= self.cross_rank < self.cross_size:
-            raise TopologyError(f"cross_rank={self.cross_rank} is outside [0, cross_size={self.cross_size})")
+    launcher: str
 
     @property
     def started_by_mpi(self) -> bool:
+        """Whether mpirun started this process (its ranks come from MPI's own variables)."""
         return self.launcher == "mpi"
 
 
@@ -90,7 +74,7 @@ def detect(env: Mapping[str, str]) -> Topology:
             cross_size=(
                 _int(env, envvars.HORA_CROSS_SIZE) if envvars.HORA_CROSS_SIZE in env else max(1, size // local_size)
             ),
-            hostname=host,
+            host=host,
             launcher="hora",
         )
     if envvars.OMPI_COMM_WORLD_RANK in env:  # Open MPI's mpirun / prterun
@@ -121,7 +105,7 @@ def detect(env: Mapping[str, str]) -> Topology:
         )
     return Topology(
         rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1,
-        hostname=host, launcher="single",
+        host=host, launcher="single",
     )
 
 
@@ -150,7 +134,7 @@ def _from_counts(
     return Topology(
         rank=r, size=n, local_rank=lr, local_size=ls,
         cross_rank=min(cr, cross_size - 1), cross_size=cross_size,
-        hostname=host, launcher=launcher,
+        host=host, launcher=launcher,
     )
 
 

@@ -14,9 +14,9 @@ from collections.abc import Mapping, Sequence
 
 from hora import envvars
 from hora.errors import ConfigError
-from hora.runner.config import HostSlots, LaunchConfig
+from hora.placement import HostSlots, Placement, place_ranks
 from hora.runner.env import Endpoints, build_env
-from hora.runner.launchers.base import Slot, assign_ranks
+from hora.runner.launch_config import LaunchConfig
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def bundles(
     return [resources(num_workers_per_host) for _ in range(num_hosts)], "STRICT_SPREAD"
 
 
-def assign(infos: Sequence[ActorInfo]) -> list[Slot]:
+def assign(infos: Sequence[ActorInfo]) -> list[Placement]:
     """Each actor's place in the job, from where Ray put it: ``slots[i]`` belongs to ``infos[i]``.
 
     Actors on one node get consecutive ranks and local ranks 0..k-1 in the
@@ -122,8 +122,8 @@ def assign(infos: Sequence[ActorInfo]) -> list[Slot]:
         by_node.setdefault(info.node_id, []).append(index)
     order = sorted(by_node, key=lambda node: (_ip_key(infos[by_node[node][0]].node_ip), node))
     hosts = [HostSlots(infos[by_node[node][0]].node_ip, len(by_node[node])) for node in order]
-    slots = assign_ranks(hosts, len(infos))
-    result: list[Slot | None] = [None] * len(infos)
+    slots = place_ranks(hosts, len(infos))
+    result: list[Placement | None] = [None] * len(infos)
     placed = iter(slots)
     for node in order:
         for index in by_node[node]:
@@ -175,7 +175,7 @@ def job_env(
     sets travel: each actor keeps the rest of its node's environment.
     Threads per worker are ``cpus_per_worker`` unless the user set
     ``OMP_NUM_THREADS`` (in ``extra_env_vars`` or the driver's environment).
-    Rank variables come per actor from :meth:`Slot.env`.
+    Rank variables come per actor from :meth:`hora.placement.Placement.env`.
     """
     config = LaunchConfig(
         command=COMMAND, num_proc=num_workers, launcher="local", controller="gloo",

@@ -7,7 +7,8 @@ contract between the launcher and the workers is :mod:`hora.envvars`
 
 from __future__ import annotations
 
-from hora.runner.config import HostSlots, LaunchConfig
+from hora.placement import HostSlots
 from hora.runner.launch import launch, run_job
+from hora.runner.launch_config import LaunchConfig
 
 __all__ = ["HostSlots", "LaunchConfig", "launch", "run_job"]

@@ -20,8 +20,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hora.errors import ConfigError, LaunchError, UnsupportedError, WorkerFailedError
-from hora.runner.config import LaunchConfig, parse_hostfile
+from hora.runner.hostlist import parse_hostfile
 from hora.runner.launch import run_job
+from hora.runner.launch_config import LaunchConfig
 from hora.runner.launchers.base import JobResult
 from hora.runner.run_task import PATH_FILE, TASK_FILE, result_file
 

@@ -25,8 +25,11 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 
 from hora import __version__, envvars
+from hora.config import RunDefaults
 from hora.errors import ConfigError, LaunchError
-from hora.runner.config import AVAILABLE_LAUNCHERS, LaunchConfig, parse_hostfile, parse_hosts
+from hora.runner.hostlist import parse_hostfile, parse_hosts
+from hora.runner.launch_config import LaunchConfig
+from hora.runner.launchers.registry import launcher_help, launcher_names
 
 #: A subcommand of ``hora``: its help line, what adds its flags to a parser, and its handler.
 Subcommand = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[..., int]]
@@ -58,10 +61,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     controller.add_argument("--mpi", dest="controller", action="store_const", const="mpi",
                             help="MPI controller, processes started by mpirun (the default on one machine when "
                                  "mpirun and mpi4py are installed, as with horovodrun)")
-    how.add_argument("--launcher", choices=AVAILABLE_LAUNCHERS,
-                     help="how processes start: local, ssh (other hosts), mpi (mpirun), slurm (srun); "
-                          "default: mpi with --mpi, ssh when -H names other hosts, slurm inside an allocation, "
-                          "else mpi when MPI is installed and neither --gloo nor -s is given, else local")
+    how.add_argument("--launcher", choices=launcher_names(), metavar="LAUNCHER", help=launcher_help())
     how.add_argument("--mpi-args", dest="mpi_args", metavar="ARGS", help="extra arguments for mpirun, quoted")
     how.add_argument("--network-interface", dest="network_interface", metavar="IFACE",
                      help="network interface for rendezvous, gloo, MPI and the parameter servers "
@@ -84,6 +84,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="SECONDS", help="how long to try to reach a host (default 10)")
     remote.add_argument("--sync-dst-dir", "--sync-dir", dest="sync_dst_dir", metavar="DIR",
                         help="copy the working directory to DIR on every host first (rsync, else scp), run there")
+
+    grid = parser.add_argument_group("Sun / Son of Grid Engine (--launcher sge, submitting from outside a job)")
+    grid.add_argument("--sge-pe", dest="sge_pe", metavar="PE",
+                      help="parallel environment to submit to (qsub -pe; default hora); it needs control_slaves TRUE")
+    grid.add_argument("--sge-queue", dest="sge_queue", metavar="QUEUE", help="queue to submit to (qsub -q)")
 
     tune = parser.add_argument_group("engine tunables")
     tune.add_argument("--fusion-threshold-mb", dest="fusion_threshold_mb", type=float, metavar="MB",
@@ -154,26 +159,24 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
             raise ConfigError("the number of processes is missing: give -np N")
         else:
             num_proc = sum(h.slots for h in hosts)
-    num_servers = args.num_servers
-    if num_servers is None:
-        raw = os.environ.get(envvars.DMLC_NUM_SERVER, "0") or "0"
-        if not raw.isdigit():
-            raise ConfigError(f"{envvars.DMLC_NUM_SERVER}={raw!r} is not a number of servers")
-        num_servers = int(raw)
+    defaults = RunDefaults.from_env(
+        num_servers=args.num_servers, network_interface=args.network_interface,
+        elastic_timeout=getattr(args, "elastic_timeout", None),
+    )
     return LaunchConfig(
         command=command,
         num_proc=num_proc,
         hosts=hosts,
         controller=args.controller,
         launcher=args.launcher,
-        num_servers=num_servers,
+        num_servers=defaults.num_servers,
         server_hosts=args.server_hosts,
         fusion_threshold_mb=args.fusion_threshold_mb,
         cycle_time_ms=args.cycle_time_ms,
         timeline_filename=args.timeline_filename,
         output_filename=args.output_filename,
         start_timeout=args.start_timeout,
-        network_interface=args.network_interface or os.environ.get(envvars.DMLC_INTERFACE) or None,
+        network_interface=defaults.network_interface,
         env={**_tuning_env(args), **parse_env_flags(args.env)},
         mpi_args=shlex.split(args.mpi_args) if args.mpi_args else (),
         verbose=args.verbose,
@@ -182,19 +185,14 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         ssh_config_file=args.ssh_config_file,
         ssh_connect_timeout=args.ssh_connect_timeout,
         sync_dst_dir=args.sync_dst_dir,
-        **_elastic_fields(args),
+        sge_queue=args.sge_queue,
+        sge_pe=args.sge_pe,
+        **_elastic_fields(args, defaults.elastic_timeout),
     )
 
 
-def _elastic_fields(args: argparse.Namespace) -> dict[str, object]:
-    """The elastic flags as :class:`LaunchConfig` fields (``--elastic-timeout`` falls back to the environment)."""
-    timeout = getattr(args, "elastic_timeout", None)
-    if timeout is None:
-        raw = os.environ.get(envvars.HORA_ELASTIC_TIMEOUT) or os.environ.get(envvars.HOROVOD_ELASTIC_TIMEOUT)
-        try:
-            timeout = float(raw) if raw else 600.0
-        except ValueError:
-            raise ConfigError(f"{envvars.HOROVOD_ELASTIC_TIMEOUT}={raw!r} is not a number of seconds") from None
+def _elastic_fields(args: argparse.Namespace, timeout: float) -> dict[str, object]:
+    """The elastic flags as :class:`LaunchConfig` fields (``timeout``: ``--elastic-timeout`` or its variable)."""
     cooldown = getattr(args, "blacklist_cooldown_range", None)
     return dict(
         min_np=getattr(args, "min_np", None),

@@ -9,7 +9,6 @@ environment.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import secrets
 import socket
@@ -18,7 +17,8 @@ from collections.abc import Mapping
 from hora import envvars
 from hora.config import MiB, interface_names
 from hora.errors import LaunchError
-from hora.runner.config import LaunchConfig
+from hora.runner.launch_config import LaunchConfig
+from hora.runner.launchers.base import Endpoints
 
 #: Variables a nested launch must not inherit from an outer ``hora run``: the rank variables, and the
 #: per-job ones that an outer job's values must not leak into (the launcher sets them when they apply).
@@ -43,23 +43,6 @@ def free_port(address: str) -> int:
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((address, 0))
         return s.getsockname()[1]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class Endpoints:
-    """Where a job's processes meet.
-
-    Attributes:
-        addr: rank 0's host address: the rendezvous store and the PS scheduler listen there.
-        port: the rendezvous port.
-        ps_port: the scheduler's port (``DMLC_PS_ROOT_PORT``), with parameter servers.
-        host_addrs: each host's own address, for multi-host jobs (``DMLC_NODE_HOST``).
-    """
-
-    addr: str
-    port: int
-    ps_port: int | None = None
-    host_addrs: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 def local_endpoints(config: LaunchConfig) -> Endpoints:

@@ -20,10 +20,10 @@ from typing import TextIO
 
 from hora import envvars
 from hora.errors import LaunchError
-from hora.runner.config import LaunchConfig
 from hora.runner.env import build_env
 from hora.runner.keys import WORKER
-from hora.runner.launchers import get_launcher
+from hora.runner.launch_config import LaunchConfig
+from hora.runner.launchers import get_launcher, launcher_class
 from hora.runner.launchers.base import Interrupt, JobResult, Slot, signal_name
 from hora.runner.output import OutputSink
 from hora.runner.plan import plan_slots, workers_per_host
@@ -64,18 +64,23 @@ def run_job(config: LaunchConfig, *, stdout: TextIO | None = None, stderr: TextI
     if config.elastic:
         from hora.runner.elastic import run_elastic
 
-        if config.launcher != "ssh":
+        if not launcher_class(str(config.launcher)).checks_command:
             check_command(config.command, os.environ)
         with _route_signals() as interrupt:
             result = run_elastic(config, stdout, stderr, interrupt)
         report(result, stderr)
         return result
     launcher = get_launcher(str(config.launcher))
+    if launcher.submits(config):  # a batch system runs the whole job, this same launch inside it
+        with _route_signals() as interrupt:
+            result = launcher.submit(config, stdout, stderr, interrupt)
+        report(result, stderr)
+        return result
     slots = plan_slots(config)
     try:
         endpoints = launcher.prepare(config, slots)
         env, notice = build_env(config, local_size=workers_per_host(slots), endpoints=endpoints)
-        if config.launcher != "ssh":  # the ssh launcher's agents check on each host
+        if not launcher.checks_command:
             check_command(config.command, env)
         if notice:
             print(notice, file=stderr, flush=True)

@@ -1,7 +1,8 @@
 """Where each process of a job runs, and what it runs.
 
-Workers fill the hosts in order, each host up to its slots, so the ranks of
-one host are consecutive (Horovod's placement).  With parameter servers
+The launcher says where the hosts come from; workers fill them in order,
+each host up to its slots, so the ranks of one host are consecutive
+(Horovod's placement, :func:`hora.placement.place_ranks`).  With parameter servers
 (``-s S``) the scheduler runs on rank 0's host and server ``i`` on host
 ``i mod H`` of the host list (MXNet's ssh launcher places them round-robin
 the same way), or, with ``--server-hosts``, on host ``i mod K`` of those K
@@ -17,54 +18,35 @@ import re
 import socket
 import sys
 
-from hora.runner.config import HostSlots, LaunchConfig, is_local_host
+from hora.placement import place_ranks
+from hora.runner.hostlist import is_local_host
 from hora.runner.keys import SCHEDULER, SERVER, WORKER
-from hora.runner.launchers.base import Slot, assign_ranks
+from hora.runner.launch_config import LaunchConfig
+from hora.runner.launchers.base import Slot
+from hora.runner.launchers.registry import launcher_class
 
 #: The module servers and the scheduler run.
 PS_NODE_MODULE = "hora.kvstore.ps.node"
 _PYTHON = re.compile(r"^python[0-9.]*$")
 
 
-def merged_hosts(config: LaunchConfig) -> list[HostSlots]:
-    """The host list with every name of this machine merged into one entry.
-
-    ``localhost``, ``127.0.0.1`` and this machine's hostname are one host:
-    it takes the place of the first of them, is named by
-    :func:`socket.gethostname`, and has the sum of their slots.
-    """
-    merged: list[HostSlots] = []
-    local_index: int | None = None
-    for h in config.host_list:
-        if is_local_host(h.host):
-            if local_index is None:
-                local_index = len(merged)
-                merged.append(HostSlots(socket.gethostname(), h.slots))
-            else:
-                merged[local_index] = HostSlots(merged[local_index].host, merged[local_index].slots + h.slots)
-        else:
-            merged.append(h)
-    return merged
-
-
 def plan_slots(config: LaunchConfig) -> list[Slot]:
     """Every process of the job: scheduler and servers first (when ``-s`` > 0), then the ranks.
 
-    Raises:
-        LaunchError: the slurm launcher runs outside an allocation.
-    """
-    if config.launcher == "slurm":
-        from hora.runner.launchers.slurm import allocation_hosts
+    The launcher says where the hosts come from (:meth:`Launcher.hosts`);
+    the ranks fill them with :func:`hora.placement.place_ranks`.
 
-        hosts = allocation_hosts(config.num_proc)
-    else:
-        hosts = merged_hosts(config)
-    workers = assign_ranks(hosts, config.num_proc)
+    Raises:
+        LaunchError: the launcher cannot obtain its hosts (e.g. slurm outside an allocation).
+    """
+    launcher = launcher_class(str(config.launcher))
+    hosts = launcher.hosts(config)
+    workers = [Slot.worker(p) for p in place_ranks(hosts, config.num_proc)]
     if config.num_servers == 0:
         return workers
     server_hosts = [socket.gethostname() if is_local_host(h) else h for h in config.server_host_list]
     if not server_hosts:
-        server_hosts = [h.host for h in hosts]
+        server_hosts = launcher.server_hosts(hosts, workers, config.num_servers)
     plan = [
         Slot(rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1, host=workers[0].host,
              role=SCHEDULER)

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hora.errors import LaunchError
-from hora.runner.config import LaunchConfig
+from hora.runner.launch_config import LaunchConfig
 
 #: The agent's source, sent with ``python3 -c`` (see :mod:`hora.runner.agent`).
 AGENT_SOURCE = (Path(__file__).parent / "agent.py").read_text(encoding="utf-8")
@@ -113,15 +113,16 @@ def _host_key_policy_unset(head: tuple[str, ...], host: str) -> bool:
     return True
 
 
-def agent_command(path: str | None) -> str:
+def agent_command(path: str | None, source: str = AGENT_SOURCE) -> str:
     """The remote shell command that starts the agent with the best Python on the host.
 
     It tries the launcher's own interpreter path first (hosts often share
     it), then ``python3`` and ``python`` on the launcher's PATH followed by
-    the host's own.
+    the host's own.  ``source`` is the code run with ``-c`` (the agent's,
+    possibly behind a prelude of the launcher's).
     """
     candidates = " ".join(shlex.quote(p) for p in (sys.executable, "python3", "python"))
-    source = shlex.quote(AGENT_SOURCE)
+    source = shlex.quote(source)
     lines = []
     if path:
         lines.append(f'PATH={shlex.quote(path)}:"$PATH"; export PATH')

@@ -21,11 +21,14 @@ the other hosts over ssh exactly as on a real cluster.  The user's own
 identity and known_hosts files, passed to ssh with ``-F``.
 
 Needs root, ``ip`` (iproute2), ``unshare``/``nsenter`` (util-linux) and
-``sshd`` (Debian's openssh-server; :func:`ensure_tools` installs it with
-apt-get when allowed).  :func:`unavailable_reason` says why a machine cannot
-run it.  Set-up and teardown are idempotent; teardown runs on ``close()``,
-on leaving the ``with`` block and at interpreter exit, and resources left by
-a process that died are swept when the next cluster starts.
+``sshd`` (Debian's openssh-server).  It installs nothing itself: the
+project's test set-up does (``./dev setup``), and a missing tool raises
+:class:`ClusterUnavailable` naming the ``apt-get install`` command that
+provides it.  :func:`unavailable_reason` says why a machine cannot run it.
+Set-up and teardown are idempotent; teardown runs on ``close()``, on leaving
+the ``with`` block and at interpreter exit, and resources left by a process
+that died (its start time no longer matches the record) are swept when the
+next cluster starts.
 ``python -m hora.testing.emulate up|down|sweep`` drives it by hand.
 """
 
@@ -100,104 +103,121 @@ def _find_sshd() -> str | None:
     return shutil.which("sshd")
 
 
+#: The Debian packages that provide each tool the emulated cluster may need; the test path
+#: (``./dev setup``, ``tests/cluster/system-packages.sh``) installs them, never this module.
+PACKAGES = {
+    "sshd": "openssh-server", "ssh": "openssh-client", "ssh-keygen": "openssh-client", "rsync": "rsync",
+    "slurmctld": "slurm-wlm", "slurmd": "slurm-wlm", "srun": "slurm-wlm", "sinfo": "slurm-wlm",
+    "salloc": "slurm-wlm", "scontrol": "slurm-wlm",
+    "sge_qmaster": "gridengine-master", "sge_execd": "gridengine-exec", "qsub": "gridengine-client",
+    "qconf": "gridengine-client", "qrsh": "gridengine-client", "qstat": "gridengine-client",
+}
+
+
+def install_hint(tools: Sequence[str]) -> str:
+    """``apt-get install -y PKG...`` for the Debian packages that provide ``tools``."""
+    packages = dict.fromkeys(PACKAGES.get(os.path.basename(t), t) for t in tools)
+    return "apt-get install -y " + " ".join(packages)
+
+
+def require_tools(tools: Sequence[str], what: str) -> None:
+    """Raise :class:`ClusterUnavailable` naming the install command when any of ``tools`` is missing.
+
+    The emulated cluster never installs system packages by itself: the
+    project's test set-up does (``./dev setup``), or the user, with the
+    command the message names.
+    """
+    missing = [t for t in tools if _which(t) is None]
+    if missing:
+        raise ClusterUnavailable(
+            f"{what} needs {', '.join(missing)}, which is not installed; run: {install_hint(missing)}"
+        )
+
+
+def _which(tool: str) -> str | None:
+    if tool == "sshd":
+        return _find_sshd()
+    # Debian keeps the grid engine's daemons in /usr/sbin and its tools in /usr/lib/gridengine.
+    return shutil.which(tool) or next(
+        (p for p in (f"/usr/sbin/{tool}", f"/usr/lib/gridengine/{tool}") if os.access(p, os.X_OK)), None
+    )
+
+
 def unavailable_reason() -> str | None:
     """Why an emulated cluster cannot run here, or None when it can.
 
-    Does not install anything: a missing sshd is reported, and
-    :func:`ensure_tools` can fix that one.
+    It installs nothing: a missing tool is reported with the apt-get
+    command that installs it.
     """
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "the emulated cluster needs root (network namespaces, veth links, tc)"
-    for tool in ("ip", "unshare", "nsenter", "ssh", "ssh-keygen"):
+    for tool in ("ip", "unshare", "nsenter"):
         if shutil.which(tool) is None:
             return f"the emulated cluster needs {tool!r} on PATH"
+    missing = [t for t in ("sshd", "ssh", "ssh-keygen") if _which(t) is None]
+    if missing:
+        return f"the emulated cluster needs {', '.join(missing)}; run: {install_hint(missing)}"
     probe = f"horaprobe{os.getpid()}"
     result = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
     if result.returncode != 0:
         return f"'ip netns add' does not work here: {result.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
-    if _find_sshd() is None:
-        return "sshd is not installed (apt-get install openssh-server)"
     return None
-
-
-def ensure_tools(install: bool = True) -> None:
-    """Make sure sshd (and rsync, optional) are present, installing them with apt-get if allowed.
-
-    Args:
-        install: try ``apt-get install openssh-server rsync`` when sshd is
-            missing (root and apt-get needed).
-
-    Raises:
-        ClusterUnavailable: sshd is missing and could not be installed.
-    """
-    if _find_sshd() is not None:
-        return
-    if not install or shutil.which("apt-get") is None or os.geteuid() != 0:
-        raise ClusterUnavailable("sshd is not installed; run: apt-get install -y openssh-server")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    packages = ["openssh-server", "openssh-client", "rsync"]
-    command = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
-    logger.warning("installing %s with apt-get for the emulated cluster", ", ".join(packages))
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    if result.returncode != 0:  # stale package lists: refresh once and retry
-        subprocess.run(["apt-get", "update"], capture_output=True, env=env, timeout=600)
-        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    if _find_sshd() is None:
-        tail = "\n".join(result.stderr.strip().splitlines()[-3:])
-        raise ClusterUnavailable(f"could not install openssh-server with apt-get: {tail}")
-
-
-def ensure_slurm(install: bool = True) -> None:
-    """Make sure Slurm's daemons and clients are present, installing Debian's slurm-wlm if allowed.
-
-    Raises:
-        ClusterUnavailable: Slurm is missing and could not be installed.
-    """
-    tools = ("slurmctld", "slurmd", "srun", "sinfo", "salloc", "scontrol")
-    if all(shutil.which(t) for t in tools):
-        return
-    if not install or shutil.which("apt-get") is None or os.geteuid() != 0:
-        raise ClusterUnavailable("Slurm is not installed; run: apt-get install -y slurm-wlm")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    command = ["apt-get", "install", "-y", "--no-install-recommends", "slurm-wlm"]
-    logger.warning("installing slurm-wlm with apt-get for the emulated cluster")
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
-    if result.returncode != 0:
-        subprocess.run(["apt-get", "update"], capture_output=True, env=env, timeout=600)
-        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
-    missing = [t for t in tools if not shutil.which(t)]
-    if missing:
-        tail = "\n".join(result.stderr.strip().splitlines()[-3:])
-        raise ClusterUnavailable(f"could not install slurm-wlm with apt-get ({', '.join(missing)} missing): {tail}")
 
 
 # --- the registry of running clusters and the stale sweep -------------------------
 
 
 def _process_alive(pid: int, started: float | None) -> bool:
-    try:
-        import psutil
+    """Whether ``pid`` is the process that registered a cluster (same start time, when one was recorded).
 
-        proc = psutil.Process(pid)
-        return started is None or abs(proc.create_time() - started) < 1.0
-    except Exception:  # psutil.NoSuchProcess, or psutil missing and the pid is gone
+    psutil is used when installed; without it the start time comes from
+    ``/proc/<pid>/stat``, in the same units (seconds since the epoch), so a
+    live owner is never taken for dead and a reused pid is.
+    """
+    if pid <= 0:
+        return False
+    now = _start_time(pid)
+    if now is None:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return False
         except PermissionError:
             return True
-        return started is None
+        return True  # alive, but its start time is unreadable: never sweep a cluster that may be in use
+    return started is None or abs(now - started) < 1.0
+
+
+def _start_time(pid: int) -> float | None:
+    """When ``pid`` started, in seconds since the epoch (psutil's ``create_time``), or None if gone/unknown."""
+    try:
+        import psutil
+    except ImportError:
+        return _proc_start_time(pid)
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return None
+    except psutil.Error:
+        return _proc_start_time(pid)
+
+
+def _proc_start_time(pid: int) -> float | None:
+    # Field 22 of /proc/<pid>/stat is the start in clock ticks after boot; the boot time is btime in
+    # /proc/stat.  psutil computes create_time() the same way, so records from either path compare.
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/stat", encoding="ascii") as f:
+            boot = next(float(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
 
 
 def _own_start_time() -> float | None:
-    try:
-        import psutil
-
-        return psutil.Process(os.getpid()).create_time()
-    except Exception:
-        return None
+    return _start_time(os.getpid())
 
 
 def _netns_list() -> list[str]:
@@ -300,7 +320,6 @@ class EmulatedCluster:
             ``"10gbit"``); None leaves links unshaped.
         latency: one-way delay added to every packet a host sends
             (``"0.1ms"``, ``"100us"``); None adds none.
-        install: install sshd with apt-get if it is missing.
 
     Raises:
         ClusterUnavailable: the machine cannot run it (see :func:`unavailable_reason`).
@@ -308,7 +327,7 @@ class EmulatedCluster:
     """
 
     def __init__(
-        self, n_hosts: int = 3, *, link: str | None = None, latency: str | None = None, install: bool = True
+        self, n_hosts: int = 3, *, link: str | None = None, latency: str | None = None
     ) -> None:
         from hora.errors import ConfigError
 
@@ -320,12 +339,12 @@ class EmulatedCluster:
         self.n_hosts = n_hosts
         self.link = link
         self.latency = latency
-        self.install = install
         self.hosts: list[Host] = []
         self.index: int | None = None
         self.state_dir: str | None = None
         self._sshd: dict[str, subprocess.Popen] = {}
         self._daemons: list[subprocess.Popen] = []
+        self._sge_daemons: list[subprocess.Popen] = []
         self._lock = threading.Lock()
         self._closed = False
 
@@ -426,7 +445,7 @@ class EmulatedCluster:
         Raises:
             ClusterUnavailable: Slurm is not installed or its nodes did not come up.
         """
-        ensure_slurm(self.install)
+        require_tools(("slurmctld", "slurmd", "srun", "sinfo", "salloc", "scontrol"), "start_slurm()")
         directory = self._path("slurm")
         os.makedirs(os.path.join(directory, "state"), exist_ok=True)
         for host in self.hosts:
@@ -467,15 +486,177 @@ class EmulatedCluster:
     def stop_slurm(self) -> None:
         """Stop the Slurm daemons that :meth:`start_slurm` started (safe to call twice)."""
         daemons, self._daemons = self._daemons, []
-        for proc in daemons:
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-        for proc in daemons:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+        _stop(daemons)
+
+    def stop_sge(self) -> None:
+        """Stop the grid engine's daemons that :meth:`start_sge` started (safe to call twice)."""
+        daemons, self._sge_daemons = self._sge_daemons, []
+        # sge_qmaster takes more than 10 s to shut down on SIGTERM; its cell is thrown away anyway
+        _stop(daemons, grace=2.0)
+
+    def start_sge(self, slots_per_host: int = 2, timeout: float = 60.0) -> dict[str, str]:
+        """Run Son of Grid Engine on the hosts: sge_qmaster on h1, sge_execd on every host.
+
+        The grid engine gets a private ``SGE_ROOT`` and cell under the
+        cluster's state directory (classic spooling, no system files touched)
+        with one queue ``all.q`` of ``slots_per_host`` slots on every host and
+        a parallel environment ``hora`` (``control_slaves TRUE``, so ``qrsh
+        -inherit`` works: tight integration).  Root may run jobs (``min_uid 0``),
+        the scheduler runs every second, jobs start without a login shell
+        (``login_shells none``), no load threshold puts a busy machine's
+        queues in alarm, and each host has its own ``tmpdir`` (the hosts
+        share ``/tmp``).  The daemons stop with the cluster.
+
+        Args:
+            slots_per_host: slots each host's queue instance offers.
+            timeout: seconds the qmaster and every execd may take to come up.
+
+        Returns:
+            The environment to run grid-engine commands with (``SGE_ROOT``,
+            ``SGE_CELL``, ports), e.g. ``cluster.run("h1", ["qsub", ...], env=env)``.
+
+        Raises:
+            ClusterUnavailable: the grid engine is not installed or did not come up.
+        """
+        require_tools(("sge_qmaster", "sge_execd", "qsub", "qconf", "qrsh", "qstat"), "start_sge()")
+        env = self._write_sge_cell(slots_per_host)
+        quiet = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL,
+                 "start_new_session": True, "env": dict(env, SGE_ND="1")}  # SGE_ND: stay in the foreground
+        self._sge_daemons.append(self.popen("h1", [_which("sge_qmaster") or "sge_qmaster"], **quiet))
+        deadline = time.monotonic() + timeout
+        while self.run("h1", ["qstat", "-f"], env=env, timeout=30).returncode != 0:
+            if time.monotonic() > deadline or self._sge_daemons[-1].poll() is not None:
+                raise ClusterUnavailable(f"sge_qmaster did not come up in {timeout} s: {self._sge_log('qmaster')}")
+            time.sleep(0.3)
+        self._configure_sge(env)
+        for host in self.hosts:
+            self._sge_daemons.append(self.popen(host.name, [_which("sge_execd") or "sge_execd"], **quiet))
+        expected = self.n_hosts * slots_per_host
+        while True:
+            result = self.run("h1", ["qstat", "-g", "c"], env=env, timeout=30)
+            available = _sge_available(result.stdout, "all.q")
+            if available == expected:
+                return env
+            if time.monotonic() > deadline:
+                raise ClusterUnavailable(
+                    f"the grid engine's execds did not come up in {timeout} s ({available} of {expected} slots "
+                    f"available): {result.stdout.strip()} {self._sge_log('execd')}"
+                )
+            time.sleep(0.3)
+
+    def _write_sge_cell(self, slots_per_host: int) -> dict[str, str]:
+        root = self._path("sge")
+        common = os.path.join(root, "default", "common")
+        spool = os.path.join(root, "default", "spool")
+        templates = os.path.join(root, "templates")
+        for directory in (common, os.path.join(spool, "qmaster"), templates):
+            os.makedirs(directory, exist_ok=True)
+        system_root = "/var/lib/gridengine"  # Debian's: binaries, libraries and utilities, shared read-only
+        for name in ("bin", "lib", "utilbin", "util"):
+            with contextlib.suppress(FileExistsError):
+                os.symlink(os.path.join(system_root, name), os.path.join(root, name))
+        names = [h.name for h in self.hosts]
+
+        def write(path: str, lines: Sequence[str]) -> None:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write("\n".join(lines) + "\n")
+
+        qmaster_spool = os.path.join(spool, "qmaster")
+        write(os.path.join(common, "bootstrap"), [
+            "admin_user none", "default_domain none", "ignore_fqdn true", "spooling_method classic",
+            "spooling_lib libspoolc", f"spooling_params {common};{qmaster_spool}",
+            "binary_path /usr/lib/gridengine", f"qmaster_spool_dir {qmaster_spool}", "security_mode none",
+            "listener_threads 2", "worker_threads 2", "scheduler_threads 1", "jvm_threads 0",
+        ])
+        write(os.path.join(common, "act_qmaster"), ["h1"])
+        write(os.path.join(common, "cluster_name"), [f"hora{self.index}"])
+        # Each host's name is its canonical name: without this, a name that also resolves to a
+        # loopback address (127.0.0.1 is "localhost" first) can be taken for "localhost".
+        write(os.path.join(common, "host_aliases"), [f"{n} {n}.hora{self.index}" for n in names])
+        with open("/usr/share/gridengine/default-configuration", encoding="utf-8") as f:
+            configuration = dict(line.split(None, 1) for line in f.read().splitlines()
+                                 if line.strip() and not line.startswith("#"))
+        configuration.update({
+            "execd_spool_dir": spool, "mailer": "/bin/true", "min_uid": "0", "min_gid": "0",
+            "login_shells": "none", "load_report_time": "00:00:05", "max_unheard": "00:01:00",
+            "reporting_params": "accounting=false reporting=false flush_time=00:00:15 joblog=false "
+                                "sharelog=00:00:00",
+            "execd_params": "KEEP_ACTIVE=false",
+        })
+        write(os.path.join(templates, "configuration"), [f"{k} {v.strip()}" for k, v in configuration.items()])
+        with open("/usr/share/gridengine/util/install_modules/inst_schedd_normal.conf", encoding="utf-8") as f:
+            scheduler = dict(line.split(None, 1) for line in f.read().splitlines() if line.strip())
+        # A job is scheduled within a second of its submission, whatever the load.
+        scheduler.update(schedule_interval="0:0:1", job_load_adjustments="NONE",
+                         load_adjustment_decay_time="0:0:0", flush_submit_sec="1", flush_finish_sec="1")
+        write(os.path.join(templates, "sched_configuration"), [f"{k} {v.strip()}" for k, v in scheduler.items()])
+        for kind in ("adminhosts", "submithosts"):
+            for name in names:
+                write(os.path.join(templates, kind, name), [f"hostname {name}"])
+        for name in names:
+            write(os.path.join(templates, "exechosts", name), [
+                f"hostname {name}", "load_scaling NONE", "complex_values NONE", "user_lists NONE",
+                "xuser_lists NONE", "projects NONE", "xprojects NONE", "usage_scaling NONE",
+                "report_variables NONE",
+            ])
+        write(os.path.join(templates, "pes", "hora"), [
+            "pe_name hora", "slots 9999", "user_lists NONE", "xuser_lists NONE", "start_proc_args NONE",
+            "stop_proc_args NONE", "allocation_rule $fill_up", "control_slaves TRUE", "job_is_first_task FALSE",
+            "urgency_slots min", "accounting_summary FALSE", "qsort_args NONE",
+        ])
+        tmpdirs = ",".join(f"[{n}={os.path.join(spool, 'tmp-' + n)}]" for n in names)
+        for name in names:
+            os.makedirs(os.path.join(spool, "tmp-" + name), exist_ok=True)
+        queue = {
+            "qname": "all.q", "hostlist": " ".join(names), "seq_no": "0", "load_thresholds": "NONE",
+            "suspend_thresholds": "NONE", "nsuspend": "1", "suspend_interval": "00:05:00", "priority": "0",
+            "min_cpu_interval": "00:05:00", "processors": "UNDEFINED", "qtype": "BATCH INTERACTIVE",
+            "ckpt_list": "NONE", "pe_list": "hora", "rerun": "FALSE", "slots": str(slots_per_host),
+            "tmpdir": f"/tmp,{tmpdirs}", "shell": "/bin/sh", "prolog": "NONE", "epilog": "NONE",
+            "shell_start_mode": "unix_behavior", "starter_method": "NONE", "suspend_method": "NONE",
+            "resume_method": "NONE", "terminate_method": "NONE", "notify": "00:00:60", "owner_list": "NONE",
+            "user_lists": "NONE", "xuser_lists": "NONE", "subordinate_list": "NONE", "complex_values": "NONE",
+            "projects": "NONE", "xprojects": "NONE", "calendar": "NONE", "initial_state": "default",
+        }
+        for limit in ("rt", "cpu", "fsize", "data", "stack", "core", "rss", "vmem"):
+            queue[f"s_{limit}"] = queue[f"h_{limit}"] = "INFINITY"
+        write(os.path.join(templates, "cqueues", "all.q"), [f"{k} {v}" for k, v in queue.items()])
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SGE_", "JOB_", "PE_"))}
+        env.update(SGE_ROOT=root, SGE_CELL="default", SGE_QMASTER_PORT="6444", SGE_EXECD_PORT="6445")
+        spooldefaults = "/usr/lib/gridengine/spooldefaults"
+        _run(["/usr/lib/gridengine/spoolinit", "classic", "libspoolc", f"{common};{qmaster_spool}", "init"], env=env)
+        _run([spooldefaults, "configuration", os.path.join(templates, "configuration")], env=env)
+        for kind, source in (("complexes", "/usr/share/gridengine/util/resources/centry"),
+                             ("usersets", "/usr/share/gridengine/util/resources/usersets")):
+            _run([spooldefaults, kind, source], env=env)
+        _run([spooldefaults, "managers", "root"], env=env)
+        for kind in ("adminhosts", "submithosts"):
+            _run([spooldefaults, kind, os.path.join(templates, kind)], env=env)
+        return env
+
+    def _configure_sge(self, env: Mapping[str, str]) -> None:
+        # What the qmaster must create itself (queue instances, the scheduler's settings) goes through qconf.
+        templates = self._path("sge", "templates")
+        commands = [["-Msconf", os.path.join(templates, "sched_configuration")]]
+        commands += [["-Ae", os.path.join(templates, "exechosts", h.name)] for h in self.hosts]
+        commands += [["-Ap", os.path.join(templates, "pes", "hora")],
+                     ["-Aq", os.path.join(templates, "cqueues", "all.q")]]
+        for arguments in commands:
+            result = self.run("h1", ["qconf", *arguments], env=env, timeout=30)
+            if result.returncode != 0:
+                said = (result.stderr or result.stdout).strip()
+                raise ClusterUnavailable(f"qconf {' '.join(arguments)} failed: {said}")
+
+    def _sge_log(self, which: str) -> str:
+        root = self._path("sge", "default", "spool")
+        paths = [os.path.join(root, "qmaster", "messages")] if which == "qmaster" else [
+            os.path.join(root, h.name, "messages") for h in self.hosts]
+        tails = []
+        for path in paths:
+            with contextlib.suppress(OSError), open(path, encoding="utf-8", errors="replace") as f:
+                tails.append(f"{path}: " + " / ".join(f.read().strip().splitlines()[-3:]))
+        return "; ".join(tails) or "no log"
 
     def start(self) -> EmulatedCluster:
         """Create the hosts and start their sshd; returns ``self``.
@@ -484,9 +665,6 @@ class EmulatedCluster:
             ClusterUnavailable: the machine cannot run it; nothing is left behind.
         """
         reason = unavailable_reason()
-        if reason is not None and "sshd" in reason:
-            ensure_tools(self.install)
-            reason = unavailable_reason()
         if reason is not None:
             raise ClusterUnavailable(reason)
         sweep_stale()
@@ -512,6 +690,7 @@ class EmulatedCluster:
                 return
             self._closed = True
         self.stop_slurm()
+        self.stop_sge()
         for proc in self._sshd.values():
             with contextlib.suppress(ProcessLookupError):
                 proc.terminate()
@@ -684,6 +863,29 @@ class EmulatedCluster:
             _run([*inward, "replace", "dev", veth, "root", *_tbf(self.link)])
 
 
+def _stop(daemons: Sequence[subprocess.Popen], grace: float = 10.0) -> None:
+    """SIGTERM every daemon, then SIGKILL those that have not exited ``grace`` seconds later."""
+    for proc in daemons:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+    deadline = time.monotonic() + grace
+    for proc in daemons:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+def _sge_available(qstat_gc: str, queue: str) -> int:
+    """The AVAIL column of ``qstat -g c`` for ``queue`` (0 when it is not listed)."""
+    for line in qstat_gc.splitlines():
+        fields = line.split()
+        if fields and fields[0] == queue and len(fields) >= 5 and fields[4].isdigit():
+            return int(fields[4])
+    return 0
+
+
 def latency_supported() -> bool:
     """Whether this kernel has tc netem, which :class:`EmulatedCluster` needs for ``latency=``."""
     name = f"horaq{os.getpid() % 100000}"
@@ -711,7 +913,7 @@ def _tbf(rate: str) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hora.testing.emulate up [-n 3] [--link 1gbit] [--latency 0.1ms] | sweep``.
+    """``python -m hora.testing.emulate up [-n 3] [--link 1gbit] [--latency 0.1ms] [--sge] | sweep``.
 
     ``up`` starts a cluster, prints how to use it and keeps it up until
     Ctrl-C; ``sweep`` removes clusters left by dead processes.
@@ -724,6 +926,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("-n", "--hosts", type=int, default=3)
     up.add_argument("--link")
     up.add_argument("--latency")
+    up.add_argument("--sge", action="store_true", help="also run Son of Grid Engine on the hosts (start_sge)")
     sub.add_parser("sweep", help="remove clusters whose owner died")
     args = parser.parse_args(argv)
     if args.action == "sweep":
@@ -735,6 +938,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ssh config: {cluster.ssh_config}")
         print(f"run on h1:  nsenter --target {cluster.hosts[0].pid} --net --uts --mount -- bash")
         print(f"then:       hora run -H {cluster.hosts_spec(2)} --ssh-config-file {cluster.ssh_config} ...")
+        if args.sge:
+            env = cluster.start_sge()
+            print(f"grid engine: export SGE_ROOT={env['SGE_ROOT']} SGE_CELL={env['SGE_CELL']} "
+                  f"SGE_QMASTER_PORT={env['SGE_QMASTER_PORT']} SGE_EXECD_PORT={env['SGE_EXECD_PORT']}; "
+                  "then on h1: qsub -pe hora N ... or hora run --launcher sge -np N ...")
         with contextlib.suppress(KeyboardInterrupt):
             signal.pause()
     return 0

@@ -2,8 +2,10 @@
 
 One cluster serves the whole session; it is torn down by the fixture's
 finalizer (and, should the process die, by the stale sweep of the next run).
-It needs root and ``ip netns``; sshd is installed with apt-get when missing.
-Without them every test here is skipped with the reason.
+It needs root and ``ip netns``.  The system packages (sshd; Slurm and the grid
+engine for their modules) are installed here, on the test path, by
+``system-packages.sh`` when missing, since the library never installs
+anything.  Without them every test here is skipped with the reason.
 """
 
 from __future__ import annotations
@@ -23,9 +25,15 @@ SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).resolve().parents[2]
 
 
+def install_system_packages(*groups: str) -> None:
+    """Install the Debian packages of ``groups`` (``ssh``, ``slurm``, ``sge``) when missing (root and apt-get only)."""
+    subprocess.run(["bash", str(Path(__file__).parent / "system-packages.sh"), *groups], timeout=900, check=False)
+
+
 @pytest.fixture(scope="session")
 def cluster():
     """Three hosts h1, h2, h3 with sshd, on one bridge; commands run on them with ``cluster.run``."""
+    install_system_packages("ssh")
     try:
         emulated = EmulatedCluster(3).start()
     except ClusterUnavailable as e:

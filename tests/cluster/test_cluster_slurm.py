@@ -2,8 +2,9 @@
 
 The allocation comes from ``salloc -N 3 -n 6``; inside it, ``hora run`` picks
 the slurm launcher by itself and starts the ranks with srun.  Debian's
-slurm-wlm is installed with apt-get when missing; where that fails the tests
-are skipped with the reason.
+slurm-wlm is installed by the test set-up when missing (see
+``system-packages.sh``); where that fails the tests are skipped with the
+reason.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from hora.testing.emulate import ClusterUnavailable
+from tests.cluster.conftest import install_system_packages
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
@@ -25,6 +27,7 @@ CRASH = REPO / "tests" / "runner" / "scripts" / "crash.py"
 @pytest.fixture(scope="module")
 def slurm(cluster):
     """The environment (``SLURM_CONF``) of a 3-node Slurm cluster running on the emulated hosts."""
+    install_system_packages("slurm")
     try:
         env = cluster.start_slurm(cpus_per_host=2)
     except ClusterUnavailable as e:

@@ -20,12 +20,13 @@ import pytest
 from hora import envvars
 from hora.config import EngineConfig, MiB, PSConfig, RendezvousConfig
 from hora.core import topology
+from hora.placement import HostSlots, place_ranks
 from hora.ray import plan as ray_plan
 from hora.runner import agent
-from hora.runner.config import HostSlots, LaunchConfig
 from hora.runner.env import Endpoints, build_env
 from hora.runner.keys import SERVER, WORKER
-from hora.runner.launchers.base import Slot, assign_ranks
+from hora.runner.launch_config import LaunchConfig
+from hora.runner.launchers.base import Slot
 from hora.runner.launchers.mpi import mpirun_command
 from hora.runner.launchers.slurm import srun_command
 from hora.runner.launchers.ssh import host_env
@@ -110,7 +111,7 @@ def test_local_workers_read_their_place_and_the_job(clean_environ):
         worker = Worker({**env, **slot.env()})
         assert set(envvars.WORKER_ENV) <= set(worker.env)
         assert worker.placement() == placement(slot) == (slot.rank, 3, slot.rank, 3, 0, 1)
-        assert worker.topology.launcher == "hora" and worker.topology.hostname == slot.host
+        assert worker.topology.launcher == "hora" and worker.topology.host == slot.host
         assert (worker.rendezvous.addr, worker.rendezvous.port) == ("10.0.0.1", 29500)
         assert worker.rendezvous.secret == env[envvars.HORA_SECRET] and len(worker.rendezvous.secret) == 32
         assert worker.rendezvous.interface == "eth7" and worker.ps.interface == "eth7"
@@ -148,13 +149,47 @@ def test_ssh_workers_on_two_hosts_get_their_cross_rank_through_the_agent(clean_e
             if slot.role == WORKER:
                 assert set(envvars.WORKER_ENV) <= set(process_env)
                 assert worker.placement() == placement(slot)
-                assert worker.topology.hostname == host
+                assert worker.topology.host == host
                 assert worker.ps.worker_rank == slot.rank
                 seen.append(worker.placement())
             elif slot.role == SERVER:
                 assert worker.ps.server_index == slot.rank
             worker.assert_reads_every_hora_variable()
     assert sorted(seen) == [(0, 4, 0, 2, 0, 2), (1, 4, 1, 2, 0, 2), (2, 4, 0, 2, 1, 2), (3, 4, 1, 2, 1, 2)]
+
+
+def test_sge_workers_get_the_whole_job_environment_through_the_agent_and_keep_their_hosts_own(
+        clean_environ, tmp_path, monkeypatch):
+    from hora.runner.launchers.sge import HOST_SPECIFIC, SgeLauncher
+
+    pe_hostfile = tmp_path / "pe_hostfile"
+    pe_hostfile.write_text("node-b.test 2 all.q@node-b.test UNDEFINED\nnode-a.test 2 all.q@node-a.test UNDEFINED\n")
+    monkeypatch.setenv(envvars.PE_HOSTFILE, str(pe_hostfile))
+    monkeypatch.setenv(envvars.JOB_ID, "7")
+    config = LaunchConfig(command=command(), num_proc=3, launcher="sge", num_servers=1)
+    env = job_env(config, local_size=2)
+    env.update(TMPDIR="/tmp/7.1.all.q", MY_SETTING="a,b")  # the job script's own environment
+    slots = plan_slots(config)
+    addrs = {"node-b.test": "10.0.0.2", "node-a.test": "10.0.0.1"}
+    seen = []
+    for host in addrs:
+        given = {k: v for k, v in env.items() if k not in HOST_SPECIFIC}  # what SgeLauncher.run sends
+        common = host_env(given, config, local=SgeLauncher.forward_all, node_host=addrs[host])
+        assert common["MY_SETTING"] == "a,b" and "TMPDIR" not in common
+        mine = [s for s in slots if s.host == host]
+        spec = {"cwd": str(tmp_path), "env": common,
+                "processes": [{"key": str(s.key), "argv": command(), "env": s.env()} for s in mine]}
+        for slot, (_, _, process_env, _) in zip(mine, agent.Agent().prepare(spec), strict=True):
+            worker = Worker(process_env)
+            assert worker.ps.node_host == addrs[host] and worker.ps.role == slot.role
+            assert (worker.ps.num_servers, worker.ps.num_workers) == (1, 3)
+            if slot.role == WORKER:
+                assert set(envvars.WORKER_ENV) <= set(process_env)
+                assert worker.placement() == placement(slot)
+                assert worker.topology.host == host
+                seen.append(worker.placement())
+            worker.assert_reads_every_hora_variable()
+    assert sorted(seen) == [(0, 3, 0, 2, 0, 2), (1, 3, 1, 2, 0, 2), (2, 3, 0, 1, 1, 2)]
 
 
 def _exported(argv: list[str], flavour: str) -> list[str]:
@@ -174,7 +209,7 @@ def test_mpirun_exports_the_job_and_its_rank_variables_place_the_ranks(flavour):
     exported = _exported(argv, flavour)
     assert set(envvars.JOB) <= set(exported)
     assert not set(exported) & set(envvars.WORKER_PLACEMENT + envvars.HOROVOD_PLACEMENT)  # mpirun places the ranks
-    for slot in assign_ranks(hosts, 4):
+    for slot in place_ranks(hosts, 4):
         if flavour == "mpich":
             tool = {envvars.PMI_RANK: slot.rank, envvars.PMI_SIZE: 4,
                     envvars.MPI_LOCALRANKID: slot.local_rank, envvars.MPI_LOCALNRANKS: 2}
@@ -196,7 +231,7 @@ def test_srun_exports_everything_and_slurm_variables_place_the_ranks():
     env = job_env(config, local_size=2)
     assert "--export=ALL" in srun_command(config, "/usr/bin/srun")
     assert set(envvars.JOB) <= set(env)
-    for slot in assign_ranks(hosts, 4):
+    for slot in place_ranks(hosts, 4):
         tool = {envvars.SLURM_PROCID: slot.rank, envvars.SLURM_NTASKS: 4, envvars.SLURM_LOCALID: slot.local_rank,
                 envvars.SLURM_NODEID: slot.cross_rank, envvars.SLURM_TASKS_PER_NODE: "2(x2)"}
         worker = Worker({**env, **{k: str(v) for k, v in tool.items()}})
@@ -219,7 +254,7 @@ def test_ray_actors_read_their_place_and_the_job():
         worker = Worker({**env, **slot.env()})
         assert set(envvars.WORKER_ENV) <= set(worker.env)
         assert worker.placement() == placement(slot)
-        assert worker.topology.launcher == "hora" and worker.topology.hostname == info.node_ip
+        assert worker.topology.launcher == "hora" and worker.topology.host == info.node_ip
         assert (worker.rendezvous.addr, worker.rendezvous.port) == ("10.0.0.1", 29500)
         assert worker.rendezvous.secret == env[envvars.HORA_SECRET] and worker.rendezvous.interface == "eth7"
         assert worker.engine.controller == "gloo" and worker.engine.start_timeout_seconds == 12

@@ -36,18 +36,20 @@ FORBIDDEN = {
     "hora/errors.py": ("hora.config", "hora.envvars", *_ABOVE_FLOOR),
     "hora/envvars.py": ("hora.config", *_ABOVE_FLOOR),
     "hora/elastic_wire.py": ("hora.config", *_ABOVE_FLOOR),  # the driver<->worker wire: both sides import it
+    "hora/placement.py": ("hora.config", *_ABOVE_FLOOR),  # where a process sits: launchers and workers share it
     "hora/config.py": _ABOVE_FLOOR,
 }
 #: package -> frameworks it must not import at module level (a function may, e.g. the torch self-check
 #: ``python -m hora.runner.check`` that runs as a worker).  hora.core is checked by importing it, below.
 NO_FRAMEWORK_AT_IMPORT = ("hora/runner", "hora/testing", "hora/errors.py", "hora/config.py", "hora/envvars.py",
-                          "hora/elastic_wire.py",
+                          "hora/elastic_wire.py", "hora/placement.py",
                           "hora/cli.py", "hora/_keras")
 
 # The Ray executor sits on the runner: it imports no binding (nor a framework at import), nothing below imports it.
 FORBIDDEN["hora/ray"] = (*_BINDINGS, "hora.kvstore", *_COMMANDS)
 for _below in ("hora/core", "hora/kvstore", "hora/torch", "hora/tensorflow", "hora/mxnet", "hora/keras", "hora/_keras",
-               "hora/runner", "hora/testing", "hora/errors.py", "hora/envvars.py", "hora/config.py"):
+               "hora/runner", "hora/testing", "hora/errors.py", "hora/envvars.py", "hora/config.py",
+               "hora/placement.py"):
     FORBIDDEN[_below] = (*FORBIDDEN[_below], "hora.ray")
 NO_FRAMEWORK_AT_IMPORT = (*NO_FRAMEWORK_AT_IMPORT, "hora/ray")
 

@@ -13,7 +13,7 @@ def test_hora_launcher_env():
     t = detect({"HORA_RANK": "3", "HORA_SIZE": "4", "HORA_LOCAL_RANK": "1", "HORA_LOCAL_SIZE": "2",
                 "HORA_CROSS_RANK": "1", "HORA_CROSS_SIZE": "2", "HORA_HOSTNAME": "h2"})
     assert (t.rank, t.size, t.local_rank, t.local_size, t.cross_rank, t.cross_size) == (3, 4, 1, 2, 1, 2)
-    assert t.hostname == "h2" and t.launcher == "hora"
+    assert t.host == "h2" and t.launcher == "hora"
 
 
 def test_openmpi_env():

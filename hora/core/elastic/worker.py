@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from hora import elastic_wire, envvars
 from hora.config import ElasticConfig
 from hora.errors import TopologyError
+from hora.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -46,26 +47,20 @@ class WorkerRetired(SystemExit):
         return self.reason
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Assignment:
-    """This worker's place in one rendezvous round."""
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Assignment(Placement):
+    """This worker's :class:`~hora.placement.Placement` in one rendezvous round, and the round's store."""
 
     round: int
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
-    hostname: str
     store_addr: str
     store_port: int
 
-    def env(self) -> dict[str, str]:
-        """The worker variables this assignment stands for (what a fixed job's launcher would have set)."""
-        values = (self.rank, self.size, self.local_rank, self.local_size, self.cross_rank, self.cross_size)
-        env = {name: str(v) for name, v in zip(envvars.WORKER_PLACEMENT[:6], values, strict=True)}
-        env.update({name: str(v) for name, v in zip(envvars.HOROVOD_PLACEMENT[:6], values, strict=True)})
+    def env(self, *, host: bool = False) -> dict[str, str]:
+        """The worker variables this assignment stands for (what a fixed job's launcher would have set).
+
+        The host name stays the one the worker was started with, unless ``host``.
+        """
+        env = Placement.env(self, host=host)
         env[envvars.HORA_RENDEZVOUS_ADDR] = self.store_addr
         env[envvars.HORA_RENDEZVOUS_PORT] = str(self.store_port)
         env[envvars.HORA_ELASTIC_ROUND] = str(self.round)
@@ -114,7 +109,7 @@ def rendezvous(config: ElasticConfig, env: Mapping[str, str]) -> dict[str, str]:
         raise WorkerRetired(reason)
     a = Assignment(**{f.name: reply[f.name] for f in dataclasses.fields(Assignment)})
     _current = a
-    log.info("elastic round %d: rank %d of %d on %s", a.round, a.rank, a.size, a.hostname)
+    log.info("elastic round %d: rank %d of %d on %s", a.round, a.rank, a.size, a.host)
     return {**env, **a.env()}
 
 

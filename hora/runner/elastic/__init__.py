@@ -1,7 +1,7 @@
 """Elastic jobs of ``hora run``: a driver that polls host discovery, starts and retires workers, and forms rounds.
 
 :func:`run_elastic` is what :func:`hora.runner.launch.run_job` calls when a
-:class:`~hora.runner.config.LaunchConfig` is elastic.  The parts:
+:class:`~hora.runner.launch_config.LaunchConfig` is elastic.  The parts:
 :mod:`.hosts` (discovered hosts, blacklist, cool-down), :mod:`.discovery`
 (the script or the fixed ``-H`` list), :mod:`.workers` (local and ssh worker
 processes) and :mod:`.driver` (the rounds and the job's end).  Workers talk
@@ -15,12 +15,13 @@ import logging
 from typing import TextIO
 
 from hora import envvars
-from hora.runner.config import LaunchConfig, is_local_host
 from hora.runner.elastic.discovery import FixedHosts, ScriptDiscovery
 from hora.runner.elastic.driver import ElasticDriver, ElasticSettings, route_address
 from hora.runner.elastic.hosts import HostManager
 from hora.runner.elastic.workers import Spawner
 from hora.runner.env import build_env, interface_address
+from hora.runner.hostlist import is_local_host
+from hora.runner.launch_config import LaunchConfig
 from hora.runner.launchers.base import JobResult
 from hora.runner.output import OutputSink
 

@@ -13,7 +13,8 @@ import subprocess
 from collections.abc import Mapping, Sequence
 
 from hora.errors import ConfigError
-from hora.runner.config import HostSlots, check_host_name
+from hora.placement import HostSlots
+from hora.runner.hostlist import check_host_name
 
 log = logging.getLogger(__name__)
 

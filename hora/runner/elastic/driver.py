@@ -42,8 +42,9 @@ from typing import Any, Protocol
 
 from hora import elastic_wire, envvars
 from hora.errors import AuthError, HoraError
-from hora.runner.config import is_local_host
+from hora.placement import Placement
 from hora.runner.elastic.hosts import HostManager
+from hora.runner.hostlist import is_local_host
 from hora.runner.launchers.base import Interrupt, JobResult, RankExit, describe_returncode, exit_status
 from hora.runner.output import OutputSink
 
@@ -122,11 +123,11 @@ def assign(members: list[Worker], stores: Mapping[int, tuple[str, int]], round_:
     out: dict[int, dict[str, Any]] = {}
     for rank, w in enumerate(members):
         local = per_host[w.host]
-        out[w.seq] = {
-            "round": round_, "rank": rank, "size": len(members), "local_rank": local.index(w),
-            "local_size": len(local), "cross_rank": host_order.index(w.host), "cross_size": len(host_order),
-            "hostname": w.host, "store_addr": store_addr, "store_port": store_port,
-        }
+        place = Placement(
+            rank=rank, size=len(members), local_rank=local.index(w), local_size=len(local),
+            cross_rank=host_order.index(w.host), cross_size=len(host_order), host=w.host,
+        )
+        out[w.seq] = {"round": round_, **dataclasses.asdict(place), "store_addr": store_addr, "store_port": store_port}
     return out
 
 

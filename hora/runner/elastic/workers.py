@@ -22,8 +22,9 @@ import threading
 from collections.abc import Mapping, Sequence
 
 from hora.errors import LaunchError
-from hora.runner.config import LaunchConfig, is_local_host
 from hora.runner.env import forwarded_names
+from hora.runner.hostlist import is_local_host
+from hora.runner.launch_config import LaunchConfig
 from hora.runner.launchers.base import new_group_kwargs, signal_group
 from hora.runner.output import STREAMS, OutputSink, pump
 from hora.runner.ssh import SshOptions

@@ -1,4 +1,7 @@
-"""What every launcher shares: the process plan, exit records, fail-fast supervision, the launcher protocol.
+"""What every launcher shares: the process plan, exit records, fail-fast supervision.
+
+What a launcher is, and how launchers are found, is
+:mod:`hora.runner.launchers.registry`.
 
 A job's processes are :class:`Slot` s: the workers (ranks) and, with
 parameter servers, one scheduler and the servers, each named by its key
@@ -14,36 +17,32 @@ import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from hora import envvars
+from hora.placement import Placement
 from hora.runner.keys import SERVER, WORKER, Key, process_key, process_name
 
 if TYPE_CHECKING:
-    from hora.runner.config import HostSlots, LaunchConfig
-    from hora.runner.env import Endpoints
     from hora.runner.output import OutputSink
 
 logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class Slot:
-    """Where one process runs and its place in the job.
+class Slot(Placement):
+    """One process of a job: its :class:`~hora.placement.Placement` and its role.
 
-    For a worker, ``rank`` .. ``cross_size`` are the ``HORA_*`` rank
-    variables.  For a server, ``rank`` is its index among the ``size``
-    servers; the scheduler has rank 0 of 1.
+    For a worker the placement is its rank's.  For a server, ``rank`` is
+    its index among the ``size`` servers; the scheduler has rank 0 of 1.
     """
 
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
-    host: str
     role: str = WORKER
+
+    @classmethod
+    def worker(cls, placement: Placement) -> Slot:
+        """The worker process of a rank placed by :func:`hora.placement.place_ranks`."""
+        return cls(**dataclasses.asdict(placement))
 
     @property
     def key(self) -> Key:
@@ -55,52 +54,38 @@ class Slot:
         """``"rank 3"``, ``"server 0"`` or ``"scheduler"``, for messages."""
         return process_name(self.role, self.rank)
 
-    def env(self) -> dict[str, str]:
+    def env(self, *, host: bool = True) -> dict[str, str]:
         """The process-specific part of the environment.
 
-        Workers get the rank variables; the ``HOROVOD_*`` copies are what
-        horovodrun exports, and scripts and test suites written for Horovod
-        read them.  Servers and the scheduler get their ``DMLC_ROLE`` and a
-        server its launch index, ``HORA_PS_SERVER_INDEX`` (the
-        shared ``DMLC_*`` variables, with ``DMLC_ROLE=worker``, are in the
-        job's environment, see :mod:`hora.runner.env`).
+        Workers get their placement's variables (:meth:`Placement.env`).
+        Servers and the scheduler get their ``DMLC_ROLE`` and a server its
+        launch index, ``HORA_PS_SERVER_INDEX`` (the shared ``DMLC_*``
+        variables, with ``DMLC_ROLE=worker``, are in the job's environment,
+        see :mod:`hora.runner.env`).
         """
-        if self.role != WORKER:
-            env = {envvars.DMLC_ROLE: self.role}
-            if self.role == SERVER:
-                env[envvars.HORA_PS_SERVER_INDEX] = str(self.rank)  # so "[server i]" logs as server i
-            return env
-        values = (
-            str(self.rank), str(self.size), str(self.local_rank), str(self.local_size),
-            str(self.cross_rank), str(self.cross_size), self.host,
-        )
-        env = dict(zip(envvars.WORKER_PLACEMENT, values, strict=True))
-        env.update(zip(envvars.HOROVOD_PLACEMENT, values, strict=True))
+        if self.role == WORKER:
+            return Placement.env(self, host=host)
+        env = {envvars.DMLC_ROLE: self.role}
+        if self.role == SERVER:
+            env[envvars.HORA_PS_SERVER_INDEX] = str(self.rank)  # so "[server i]" logs as server i
         return env
 
 
-def assign_ranks(hosts: Sequence[HostSlots], num_proc: int) -> list[Slot]:
-    """Fill hosts in order, each up to its slots, until ``num_proc`` ranks are placed."""
-    placed: list[tuple[str, int]] = []  # (host, local count)
-    left = num_proc
-    for h in hosts:
-        if left == 0:
-            break
-        take = min(h.slots, left)
-        if take == 0:
-            continue
-        placed.append((h.host, take))
-        left -= take
-    slots: list[Slot] = []
-    for cross_rank, (host, count) in enumerate(placed):
-        for local_rank in range(count):
-            slots.append(
-                Slot(
-                    rank=len(slots), size=num_proc, local_rank=local_rank, local_size=count,
-                    cross_rank=cross_rank, cross_size=len(placed), host=host,
-                )
-            )
-    return slots
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Endpoints:
+    """Where a job's processes meet.
+
+    Attributes:
+        addr: rank 0's host address: the rendezvous store and the PS scheduler listen there.
+        port: the rendezvous port.
+        ps_port: the scheduler's port (``DMLC_PS_ROOT_PORT``), with parameter servers.
+        host_addrs: each host's own address, for multi-host jobs (``DMLC_NODE_HOST``).
+    """
+
+    addr: str
+    port: int
+    ps_port: int | None = None
+    host_addrs: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 def describe_returncode(returncode: int) -> str:
@@ -231,38 +216,6 @@ class Interrupt:
         signum = self._pending.pop(0)
         self.received.append(signum)
         return signum
-
-
-class Launcher(Protocol):
-    """Starts the processes of a job, supervises them and reports how they ended.
-
-    ``prepare`` runs first: it does what must happen before the environment
-    can be built (the ssh launcher copies files and reaches every host) and
-    returns where rank 0 and the parameter-server scheduler listen.  ``run``
-    must then: start one process per slot (``config.command`` for workers,
-    :func:`hora.runner.plan.slot_command` for the others) with ``env`` plus
-    :meth:`Slot.env`; print their output through ``sink``; stop every process
-    soon after the first one fails or after a signal is polled from
-    ``interrupt`` (SIGTERM/SIGINT, then SIGKILL after
-    ``config.grace_period``); and return a :class:`JobResult` whose
-    ``root_cause`` is the first process that failed on its own.  ``close``
-    releases whatever ``prepare`` acquired, and is safe to call twice.
-    """
-
-    name: str
-
-    def prepare(self, config: LaunchConfig, slots: Sequence[Slot]) -> Endpoints: ...
-
-    def run(
-        self,
-        config: LaunchConfig,
-        slots: Sequence[Slot],
-        env: Mapping[str, str],
-        sink: OutputSink,
-        interrupt: Interrupt,
-    ) -> JobResult: ...
-
-    def close(self) -> None: ...
 
 
 #: How often supervision loops look at exits, signals and deadlines.

