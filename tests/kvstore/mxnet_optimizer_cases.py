@@ -70,6 +70,9 @@ CASES: list[dict[str, Any]] = [
     _case("nadam", "nadam", {"learning_rate": 0.01, "wd": 0.01, "clip_gradient": 0.9}),
     _case("test", "test", {"rescale_grad": 0.25}),
     _case("sgld_deterministic", "sgld", {"learning_rate": 0.01, "wd": 0.01, "clip_gradient": 0.5}),
+    # MXNet's Python-level rules clip whenever clip_gradient is not None: 0 and negative values too
+    _case("adagrad_negative_clip", "adagrad", {"learning_rate": 0.1, "clip_gradient": -0.5}),
+    _case("nadam_zero_clip", "nadam", {"learning_rate": 0.01, "clip_gradient": 0.0}),
     # float16 weights with a float32 master copy
     _case("sgd_fp16_mp", "sgd", {"learning_rate": 0.1, "momentum": 0.9, "multi_precision": True}, dtype="float16"),
     _case("nag_fp16_mp", "nag", {"learning_rate": 0.1, "momentum": 0.9, "multi_precision": True}, dtype="float16"),

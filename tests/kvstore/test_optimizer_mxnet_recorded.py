@@ -59,24 +59,27 @@ def test_every_mxnet_optimizer_is_registered():
         "rmsprop", "adadelta", "ftrl", "adamax", "nadam", "test"}
 
 
-@pytest.mark.parametrize("name", ["adam", "adagrad", "rmsprop", "nadam", "ftrl", "lamb", "nag", "signum"])
-def test_blockwise_update_equals_one_pass(name, monkeypatch):
-    """Large keys are updated in cache-sized blocks: the bits are those of one pass over the whole array."""
+@pytest.mark.parametrize("name", ["sgd", "adam", "adagrad", "rmsprop", "nadam", "ftrl", "lamb", "nag", "signum"])
+def test_blocks_and_threads_give_the_bits_of_one_pass(name, monkeypatch):
+    """Large keys are updated in cache-sized blocks, runs of blocks on several threads: the bits are those of
+    one pass over the whole array."""
     rng = np.random.default_rng(7)
     n = 3 * base.BLOCK + 17
     w0 = rng.standard_normal(n).astype(np.float32)
     grads = [rng.standard_normal(n).astype(np.float32) for _ in range(3)]
 
     def run():
-        upd = hopt.Updater(hopt.create(name, wd=0.01))
+        upd = hopt.Updater(hopt.create(name, wd=0.01, **({"momentum": 0.9} if name == "sgd" else {})))
         w = w0.copy()
         for g in grads:
             upd("k", g, w)
         return w
 
-    blocked = run()
+    monkeypatch.setattr(base, "PARALLEL_BLOCKS", 1)
+    monkeypatch.setattr(base, "_THREADS", 3)
+    threaded = run()
     monkeypatch.setattr(base, "BLOCK", 10 * n)
-    np.testing.assert_array_equal(blocked, run())
+    np.testing.assert_array_equal(threaded, run())
 
 
 def test_sgld_noise_has_the_right_distribution():

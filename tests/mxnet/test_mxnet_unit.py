@@ -141,3 +141,26 @@ def test_engine_operations_hold_back_later_operators_until_they_complete():
     with pytest.raises(ValueError, match="twice"):
         engine.push_sync(lambda: None, reads=[], writes=[dst, dst])
     mx.nd.waitall()
+
+
+def test_an_mxnet_optimizer_of_ones_own_travels_once_registered_on_the_servers(monkeypatch):
+    """An mx.optimizer subclass whose name a module in HORA_PS_OPTIMIZER_MODULES registers is sent as data."""
+    import sys
+
+    import mxnet as mx
+
+    from hora.kvstore.optimizer import registry
+    from hora.mxnet.server_optimizer import hora_optimizer_of
+
+    monkeypatch.setattr(registry, "OPTIMIZERS", dict(registry.OPTIMIZERS))
+    monkeypatch.setattr(registry, "_loaded", set())
+    monkeypatch.delitem(sys.modules, "tests.kvstore.custom_optimizer", raising=False)
+    monkeypatch.setenv("HORA_PS_OPTIMIZER_MODULES", "tests.kvstore.custom_optimizer")
+
+    class HalfStep(mx.optimizer.Optimizer):
+        def __init__(self, scale=0.5, **kwargs):
+            super().__init__(**kwargs)
+            self.scale = scale
+
+    spec = hora_optimizer_of(HalfStep(scale=0.25, learning_rate=0.2)).spec()
+    assert spec["type"] == "halfstep" and spec["scale"] == 0.25 and spec["learning_rate"] == 0.2

@@ -12,8 +12,11 @@ blocks (same operations, same bits, much less memory traffic), and
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import ctypes.util
+import os
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -89,24 +92,53 @@ def sign(x: np.ndarray) -> np.ndarray:
 
 
 def blockwise(fn: Callable[..., None], *arrays: np.ndarray | None, scratch: int = 0,
-              scratch_dtype: Any = None) -> None:
+              scratch_dtype: Any = None, parallel: bool = True) -> None:
     """Run the element-wise rule ``fn(*blocks, *scratch_blocks)`` over the flat arrays, block by block.
 
     ``None`` entries pass through as ``None``.  Each block of every array is
     read from memory once and stays in cache for all of the rule's operations;
     the operations and their order are the rule's own, so the bits are too.
     ``scratch`` buffers of a block's length (in ``scratch_dtype``, default the
-    first array's dtype) are allocated once and handed to every call, so a rule
-    written with ``out=`` allocates nothing per block.
+    first array's dtype) are handed to every call, so a rule written with
+    ``out=`` allocates nothing per block.  A large array is cut into a few
+    contiguous runs of blocks that threads update at once (NumPy releases the
+    GIL): the result does not depend on it, since every element is updated
+    alone.  A rule whose blocks must come in order (a running sum) passes
+    ``parallel=False``.
     """
     flat = [None if a is None else a.reshape(-1) for a in arrays]
     first = next(a for a in flat if a is not None)
     n = first.size
     block = max(1, min(n, BLOCK))
-    bufs = [np.empty(block, scratch_dtype or first.dtype) for _ in range(scratch)]
-    for lo in range(0, n, block):
-        hi = min(n, lo + block)
-        fn(*[None if a is None else a[lo:hi] for a in flat], *[b[:hi - lo] for b in bufs])
+
+    def run(lo: int, hi: int) -> None:
+        bufs = [np.empty(min(block, hi - lo), scratch_dtype or first.dtype) for _ in range(scratch)]
+        for start in range(lo, hi, block):
+            end = min(hi, start + block)
+            fn(*[None if a is None else a[start:end] for a in flat], *[b[:end - start] for b in bufs])
+
+    runs = min(_THREADS, n // (PARALLEL_BLOCKS * block)) if parallel else 1
+    if runs <= 1:
+        run(0, n)
+        return
+    per = -(-n // runs // block) * block  # whole blocks per run
+    futures = [_pool().submit(run, lo, min(n, lo + per)) for lo in range(0, n, per)]
+    for f in futures:
+        f.result()
+
+
+PARALLEL_BLOCKS = 8  # an array of fewer blocks than this per thread is updated by the calling thread alone
+_THREADS = max(1, min(4, os.cpu_count() or 1))
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix="hora-optimizer")
+        return _POOL
 
 
 def moments(g: np.ndarray, m: np.ndarray, v: np.ndarray, b1: np.floating, b1c: np.floating, b2: np.floating,
@@ -124,7 +156,7 @@ def moments(g: np.ndarray, m: np.ndarray, v: np.ndarray, b1: np.floating, b1c: n
 def sum_sq(x: np.ndarray) -> np.float32:
     """MXNet's CPU ``multi_sum_sq`` of one array: ``sum += x[i] * x[i]`` in float32, in order."""
     acc = SumSq()
-    blockwise(acc.add, x, scratch=1, scratch_dtype=np.float32)
+    blockwise(acc.add, x, scratch=1, scratch_dtype=np.float32, parallel=False)
     return acc.total
 
 

@@ -104,7 +104,8 @@ class LAMB(Optimizer):
             np.copyto(out, d, casting="same_kind")
             g_ss.add(out, t)
 
-        blockwise(step1, w32, weight, grad, state["mean"], state["var"], g_out, scratch=2, scratch_dtype=f)
+        blockwise(step1, w32, weight, grad, state["mean"], state["var"], g_out, scratch=2, scratch_dtype=f,
+                  parallel=False)  # the two sums run along the blocks, in order
         r1, r2 = f(np.sqrt(w_ss.total)), f(np.sqrt(g_ss.total))
         if self.lower_bound and self.lower_bound >= 0:  # passed when truthy, applied when >= 0
             r1 = max(r1, f(self.lower_bound))

@@ -18,7 +18,6 @@ from hora.errors import ConfigError
 from hora.kvstore.arrays import is_numpy as _is_numpy
 from hora.kvstore.lr_scheduler import LRScheduler, _number
 from hora.kvstore.optimizer.base import (
-    BLOCK,
     Array,
     Optimizer,
     blockwise,
@@ -100,30 +99,25 @@ class SGD(Optimizer):
 
     def _update_numpy(self, weight: np.ndarray, grad: np.ndarray, mom: np.ndarray | None, lr: float, wd: float,
                       momentum_: float, dt: np.dtype) -> None:
-        """:meth:`_step`'s operations, in the same order and dtype (so the same bits), run block by block
-        into two scratch blocks: each block of the weight, gradient and momentum is read from memory once
-        and stays in cache for all its operations, and no array of the weight's size is allocated."""
-        w, g, m = weight.reshape(-1), grad.reshape(-1), None if mom is None else mom.reshape(-1)
+        """:meth:`_step`'s operations, in the same order and dtype (so the same bits), block by block into two
+        scratch blocks: no array of the weight's size is allocated."""
         clipping = self._clipping()
         if clipping:
-            rescale, bound, scale = product(dt, self.rescale_grad), product(dt, self.clip_gradient), product(dt, lr)
+            rescale, bound, scale = (dt.type(product(dt, self.rescale_grad)), dt.type(product(dt, self.clip_gradient)),
+                                     dt.type(product(dt, lr)))
         else:
-            scale = product(dt, lr, self.rescale_grad)
-        decay_scale, momentum = product(dt, lr, wd), product(dt, momentum_)
-        block = min(w.size, BLOCK)
-        t_buf, d_buf = np.empty(block, dt), np.empty(block, dt)
-        for lo in range(0, w.size, block):
-            hi = min(w.size, lo + block)
-            wb, t, d = w[lo:hi], t_buf[:hi - lo], d_buf[:hi - lo]
+            scale = dt.type(product(dt, lr, self.rescale_grad))
+        decay_scale, momentum = dt.type(product(dt, lr, wd)), dt.type(product(dt, momentum_))
+
+        def rule(wb: np.ndarray, gb: np.ndarray, mb: np.ndarray | None, t: np.ndarray, d: np.ndarray) -> None:
             if clipping:
-                np.multiply(g[lo:hi], rescale, out=t)
+                np.multiply(gb, rescale, out=t)
                 np.clip(t, -bound, bound, out=t)
                 np.multiply(t, scale, out=t)
             else:
-                np.multiply(g[lo:hi], scale, out=t)
+                np.multiply(gb, scale, out=t)
             np.multiply(wb, decay_scale, out=d)
-            if m is not None:
-                mb = m[lo:hi]
+            if mb is not None:
                 np.multiply(mb, momentum, out=mb)
                 np.subtract(mb, d, out=mb)
                 np.subtract(mb, t, out=mb)
@@ -131,6 +125,8 @@ class SGD(Optimizer):
             else:
                 np.add(d, t, out=d)
                 np.subtract(wb, d, out=wb)
+
+        blockwise(rule, weight, grad, mom, scratch=2)
 
 
 class ccSGD(SGD):  # noqa: N801 - MXNet's registered name
