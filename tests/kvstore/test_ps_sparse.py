@@ -27,6 +27,18 @@ def test_row_pushes_and_pulls_through_two_servers(mode):
         assert f"[{rank}]<stdout>:SPARSE OK {mode}" in proc.stdout, out[-5000:]
 
 
+@pytest.mark.timeout(200)
+def test_torch_sparse_embedding_trains_as_dense():
+    """nn.Embedding(sparse=True) through DistributedOptimizer(kvstore=dist_sync): row pushes, same weights as a
+    dense embedding and as one process; pull_rows/row_sparse_pull with a tensor of row ids."""
+    proc = hora_run(2, [sys.executable, "tests/kvstore/torch_sparse_job.py"], timeout=150, extra_args=["-s", "2"],
+                    env={"HORA_PS_BIGARRAY_BOUND": "100"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    for rank in range(2):
+        assert f"[{rank}]<stdout>:TORCH SPARSE OK" in proc.stdout, out[-5000:]
+
+
 def test_merge_rows_sums_repeats_and_sorts():
     ids, rows = merge_rows([(np.array([5, 1, 5]), np.arange(6.0)), (np.array([1]), np.array([10.0, 20.0])),
                             (np.empty(0, np.int64), np.empty(0))], 2, np.dtype(np.float64))
