@@ -142,6 +142,12 @@ class DistKVStore(KVStore):
         """Number of servers in the job."""
         return self._client.num_servers
 
+    @property
+    def traffic(self) -> dict[str, int]:
+        """Bytes this worker has sent to and received from the servers' sockets so far (shared-memory
+        payloads excluded: they never touch a socket)."""
+        return dict(self._client.traffic)
+
     # --- data -------------------------------------------------------------------------------------
     def _init(self, keys: list[str], values: list[Array]) -> None:
         client = self._client
@@ -249,7 +255,8 @@ class DistKVStore(KVStore):
         if data.dtype != info.dtype or data.size != ids.size * width:
             raise ConfigError(f"row push of key {name!r}: {ids.size} row ids need rows of {info.dtype.name}"
                               f"{[ids.size, *info.shape[1:]]}, got {data.dtype.name}{list(data.shape)}")
-        ids, data = merge_rows([(ids, np.array(data, copy=True).reshape(-1, width))], width, info.dtype)
+        # (merge_rows returns new arrays: the caller may reuse its own at once)
+        ids, data = merge_rows([(ids, data.reshape(-1, width))], width, info.dtype)
         with self._lock:
             seq = self._seq[name] = self._seq.get(name, 0) + 1
         for s, lo, hi in self._row_parts(info, ids):

@@ -461,7 +461,7 @@ class Keys:
             if server.sync and k.error:
                 server.reply(op, error=k.error)
             elif self._pull_ready(k, op):
-                server.reply(op, arrays=(value.reshape(-1, w)[ids].reshape(-1),))  # type: ignore[union-attr]
+                server.reply(op, arrays=(np.take(value.reshape(-1, w), ids, axis=0).reshape(-1),))  # type: ignore
             elif server.sync and not self._round_can_complete(k):
                 server.reply(op, error=self._departed_error(k))
             else:

@@ -7,7 +7,7 @@ MXNet's ``test`` optimizer, and lazy SGD and Adam checked against MXNet's own
 updater on the merged row_sparse gradient.  Then gluon: a ``SparseEmbedding``
 (row_sparse weight) trains through ``kvstore='hora_dist_sync'`` to the weights
 of one process training on both workers' batches, while ``nn.Embedding(sparse_grad=True)``
-(dense weight, sparse gradient) is refused by gluon itself (see docs/mxnet-sparse.md).
+(dense weight, sparse gradient) is refused by gluon itself (see docs/sparse.md).
 ``--kv-store hora_dist_async``: every worker's row pushes are applied once.
 Each worker prints ``ps sparse ok``.
 """
