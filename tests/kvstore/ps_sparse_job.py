@@ -87,6 +87,22 @@ def sync() -> int:
                 np.testing.assert_array_equal(got[untouched], _init()[untouched])
             np.testing.assert_allclose(got, w, rtol=2e-5, atol=1e-6, err_msg=f"{kind} step {it}")
             checks += 1
+    # bad input: a clear error on the worker, nothing sent
+    from hora.errors import ConfigError
+
+    kv.init("flat", np.zeros(6, np.float32))
+    for call, words in ((lambda: kv.push_rows("flat", [0], np.zeros((1, 1), np.float32)), "2 or more dimensions"),
+                        (lambda: kv.pull_rows("emb", [ROWS]), f"[0, {ROWS})"),
+                        (lambda: kv.push_rows("emb", [1, 2], np.zeros((2, WIDTH + 1), np.float32)), "need rows"),
+                        (lambda: kv.push_rows("emb", [1], np.zeros((1, WIDTH), np.float64)), "need rows"),
+                        (lambda: kv.row_sparse_pull("emb", np.zeros((ROWS, WIDTH + 1), np.float32), [1]), "shape")):
+        try:
+            call()
+        except ConfigError as e:
+            assert words in str(e), e
+            checks += 1
+        else:
+            raise AssertionError(f"no error for a call that should fail with {words!r}")
     kv.barrier()
     kv.close()
     return checks
