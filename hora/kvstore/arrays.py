@@ -6,6 +6,9 @@ with NumPy arrays alone works without torch installed.
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -95,5 +98,20 @@ def add_into(acc: Array, x: Array) -> None:
     acc += converted(x, acc)
 
 
-__all__ = ["is_numpy", "shape_of", "device_of", "dtype_name", "numpy_of", "torch_of", "copy_of", "converted",
-           "copy_into", "add_into"]
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def math_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's threads for array arithmetic cut into pieces (NumPy releases the GIL): a server's
+    sums and its optimizers' updates.  A task running on it must not wait for others on it."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2,
+                                                          thread_name_prefix="hora-math")
+        return _pool
+
+
+__all__ = ["math_pool", "is_numpy", "shape_of", "device_of", "dtype_name", "numpy_of", "torch_of", "copy_of",
+           "converted", "copy_into", "add_into"]

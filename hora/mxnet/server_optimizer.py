@@ -39,9 +39,11 @@ def _builtin_class(optimizer: Any) -> bool:
 def scheduler_of(scheduler: Any) -> hsched.LRScheduler | None:
     """An ``mx.lr_scheduler`` scheduler as hora's, built from its constructor arguments.
 
-    The warmup's end rate is MXNet's ``warmup_final_lr`` (the ``base_lr`` it
-    was built with), so that an optimizer's ``learning_rate`` later overrides
-    ``base_lr`` exactly as in MXNet.
+    It starts afresh from the ``base_lr`` it was built with (MXNet's
+    ``warmup_final_lr``), as the servers' update counts do; the optimizer's
+    ``learning_rate`` then overrides ``base_lr`` exactly as it did in MXNet.
+    A schedule that already advanced on the worker is not carried over: set
+    the optimizer on the servers before training, as ``gluon.Trainer`` does.
 
     Raises:
         ConfigError: a scheduler class of the user's own, which cannot travel.
@@ -71,7 +73,6 @@ def scheduler_of(scheduler: Any) -> hsched.LRScheduler | None:
         raise ConfigError(f"the lr scheduler {type(scheduler).__module__}.{type(scheduler).__name__} cannot travel "
                           "to hora's parameter servers (they rebuild MXNet's Factor, MultiFactor, Poly and Cosine "
                           "schedulers from their arguments; nothing is unpickled)")
-    out.base_lr = float(scheduler.base_lr)  # a rate an optimizer's learning_rate already overrode
     return out
 
 
@@ -137,9 +138,6 @@ def hora_optimizer_of(optimizer: Any) -> hopt.Optimizer:
         out = cls(**fields, **common)
     except TypeError as e:
         raise ConfigError(f"{type(optimizer).__name__}: {e}") from e
-    if scheduler is not None:
-        out.lr_scheduler = scheduler
-        scheduler.base_lr = float(optimizer.lr_scheduler.base_lr)
     return out
 
 

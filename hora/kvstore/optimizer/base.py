@@ -12,12 +12,10 @@ blocks (same operations, same bits, much less memory traffic), and
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 import ctypes.util
 import os
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,6 +24,7 @@ from hora.errors import ConfigError
 from hora.kvstore.arrays import converted as _astype
 from hora.kvstore.arrays import copy_into as _copy_into
 from hora.kvstore.arrays import is_numpy as _is_numpy
+from hora.kvstore.arrays import math_pool
 from hora.kvstore.lr_scheduler import LRScheduler, _number, scheduler_from_spec
 
 Array = Any  # numpy.ndarray | torch.Tensor
@@ -91,7 +90,7 @@ def sign(x: np.ndarray) -> np.ndarray:
     return (x > 0).astype(x.dtype) - (x < 0).astype(x.dtype)
 
 
-def blockwise(fn: Callable[..., None], *arrays: np.ndarray | None, scratch: int = 0,
+def blockwise(fn: Callable[..., None], *arrays: np.ndarray | None, scratch: int | Sequence[Any] = 0,
               scratch_dtype: Any = None, parallel: bool = True) -> None:
     """Run the element-wise rule ``fn(*blocks, *scratch_blocks)`` over the flat arrays, block by block.
 
@@ -99,8 +98,9 @@ def blockwise(fn: Callable[..., None], *arrays: np.ndarray | None, scratch: int 
     read from memory once and stays in cache for all of the rule's operations;
     the operations and their order are the rule's own, so the bits are too.
     ``scratch`` buffers of a block's length (in ``scratch_dtype``, default the
-    first array's dtype) are handed to every call, so a rule written with
-    ``out=`` allocates nothing per block.  A large array is cut into a few
+    first array's dtype; or one per dtype when ``scratch`` lists dtypes) are
+    handed to every call, so a rule written with ``out=`` allocates nothing
+    per block.  A large array is cut into a few
     contiguous runs of blocks that threads update at once (NumPy releases the
     GIL): the result does not depend on it, since every element is updated
     alone.  A rule whose blocks must come in order (a running sum) passes
@@ -110,9 +110,10 @@ def blockwise(fn: Callable[..., None], *arrays: np.ndarray | None, scratch: int 
     first = next(a for a in flat if a is not None)
     n = first.size
     block = max(1, min(n, BLOCK))
+    dtypes = [scratch_dtype or first.dtype] * scratch if isinstance(scratch, int) else list(scratch)
 
     def run(lo: int, hi: int) -> None:
-        bufs = [np.empty(min(block, hi - lo), scratch_dtype or first.dtype) for _ in range(scratch)]
+        bufs = [np.empty(min(block, hi - lo), dt) for dt in dtypes]
         for start in range(lo, hi, block):
             end = min(hi, start + block)
             fn(*[None if a is None else a[start:end] for a in flat], *[b[:end - start] for b in bufs])
@@ -122,23 +123,13 @@ def blockwise(fn: Callable[..., None], *arrays: np.ndarray | None, scratch: int 
         run(0, n)
         return
     per = -(-n // runs // block) * block  # whole blocks per run
-    futures = [_pool().submit(run, lo, min(n, lo + per)) for lo in range(0, n, per)]
+    futures = [math_pool().submit(run, lo, min(n, lo + per)) for lo in range(0, n, per)]
     for f in futures:
         f.result()
 
 
 PARALLEL_BLOCKS = 8  # an array of fewer blocks than this per thread is updated by the calling thread alone
 _THREADS = max(1, min(4, os.cpu_count() or 1))
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix="hora-optimizer")
-        return _POOL
 
 
 def moments(g: np.ndarray, m: np.ndarray, v: np.ndarray, b1: np.floating, b1c: np.floating, b2: np.floating,

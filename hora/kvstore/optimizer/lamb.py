@@ -19,17 +19,18 @@ from typing import Any
 
 import numpy as np
 
+from hora.kvstore.arrays import math_pool
 from hora.kvstore.lr_scheduler import _number
 from hora.kvstore.optimizer.base import (
     Array,
     Optimizer,
-    SumSq,
     blockwise,
     check_bool,
     clip_kernel,
     moments,
     optional_number,
     powf,
+    sum_sq,
     zeros_like,
 )
 
@@ -72,12 +73,12 @@ class LAMB(Optimizer):
         bound = f(self.clip_gradient) if self._clipping() else None
         w32 = master if master is not None else weight
         g_out = np.empty(weight.shape, f)
-        w_ss, g_ss = SumSq(), SumSq()  # multi_sum_sq of the weight as stored (float16 under multi_precision)
-        wide: list[np.ndarray] = []  # two float64 blocks, made on the first call
+        # multi_sum_sq of the weight as stored (float16 under multi_precision), an ordered sum: on its own
+        # thread while the element-wise phase runs (it only reads the weight)
+        w_ss = math_pool().submit(sum_sq, weight)
 
-        def step1(w: np.ndarray, w_stored: np.ndarray, gr: np.ndarray, m: np.ndarray, v: np.ndarray,
-                  out: np.ndarray, r: np.ndarray, t: np.ndarray) -> None:
-            w_ss.add(w_stored, t)
+        def step1(w: np.ndarray, gr: np.ndarray, m: np.ndarray, v: np.ndarray, out: np.ndarray, r: np.ndarray,
+                  t: np.ndarray, d: np.ndarray, q: np.ndarray) -> None:
             if gr.dtype == f:
                 np.multiply(gr, rescale, out=r)
             else:  # the float16 gradient as float32 first (multi_precision)
@@ -93,20 +94,15 @@ class LAMB(Optimizer):
                 np.copyto(r, m)
                 np.copyto(t, v)
             # The kernel's unqualified sqrt is C's double sqrt: the direction is formed in double.
-            if not wide:
-                wide.extend(np.empty(r.size, np.float64) for _ in range(2))
-            d, q = wide[0][:r.size], wide[1][:r.size]
             np.sqrt(t, out=q, dtype=np.float64)
             q += np.float64(eps)
             np.divide(r, q, out=d)
             np.multiply(w, wd, out=t)
             d += t
             np.copyto(out, d, casting="same_kind")
-            g_ss.add(out, t)
 
-        blockwise(step1, w32, weight, grad, state["mean"], state["var"], g_out, scratch=2, scratch_dtype=f,
-                  parallel=False)  # the two sums run along the blocks, in order
-        r1, r2 = f(np.sqrt(w_ss.total)), f(np.sqrt(g_ss.total))
+        blockwise(step1, w32, grad, state["mean"], state["var"], g_out, scratch=(f, f, np.float64, np.float64))
+        r1, r2 = f(np.sqrt(w_ss.result())), f(np.sqrt(sum_sq(g_out)))
         if self.lower_bound and self.lower_bound >= 0:  # passed when truthy, applied when >= 0
             r1 = max(r1, f(self.lower_bound))
         if self.upper_bound and self.upper_bound >= 0:

@@ -41,7 +41,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -50,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import zmq
 
+from hora.kvstore.arrays import math_pool as _math
 from hora.kvstore.ps.wire import Cmd
 
 if TYPE_CHECKING:
@@ -194,17 +194,6 @@ class KeyState:
 
 
 _CHUNK_BYTES = 8 * 1024 * 1024  # larger sums are cut into pieces this big, summed on several cores
-_math_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_math_lock = threading.Lock()
-
-
-def _math() -> concurrent.futures.ThreadPoolExecutor:
-    global _math_pool
-    with _math_lock:
-        if _math_pool is None:
-            _math_pool = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2,
-                                                               thread_name_prefix="hora-ps-sum")
-        return _math_pool
 
 
 def _combine(target: np.ndarray, grad: np.ndarray, op: Op, add: bool) -> None:
