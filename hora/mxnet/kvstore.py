@@ -339,17 +339,16 @@ class _ServerStore(KVStoreBase):
     def pull(self, key: Any, out: Any = None, priority: int = 0, ignore_sparse: bool = True) -> None:
         """Copy the servers' values of each key into ``out``.
 
-        row_sparse outs are skipped when ``ignore_sparse`` (MXNet's default), else they receive every row.
+        row_sparse outs are skipped (MXNet's ``ignore_sparse=True``); pull their rows with
+        ``row_sparse_pull``.  ``ignore_sparse=False`` is refused, as MXNet's dist stores refuse it.
         """
+        if not ignore_sparse:
+            raise sparse.SparsePullError("dist kvstore pull doesn't support ignore_sparse=False (as MXNet's): pull "
+                                         "row_sparse values with row_sparse_pull(key, out, row_ids)")
         self._sync()
         pairs = []
         for k, arrays in _pairs(key, out):
-            kept = []
-            for a in arrays:
-                if not sparse.is_sparse(a):
-                    kept.append(a)
-                elif not ignore_sparse:
-                    sparse.fill_rows(a, *self._store.pull_rows(k, np.arange(a.shape[0])))
+            kept = [a for a in arrays if not sparse.is_sparse(a)]
             if kept:
                 pairs.append((k, kept))
         if not pairs:
@@ -449,14 +448,15 @@ class _ServerStore(KVStoreBase):
         self._store.close()
 
 
-class HoraDistSyncStore(_ServerStore):
-    """``hora_dist_sync``: MXNet's ``dist_sync`` on hora's parameter servers."""
+class HoraDistSyncStore(_ServerStore, sparse.NativeStoreSurface):
+    """``hora_dist_sync``: MXNet's ``dist_sync`` on hora's parameter servers (an ``mx.kv.KVStore``, for gluon's
+    sparse checks: see :class:`hora.mxnet.sparse.NativeStoreSurface`)."""
 
     kv_type = "hora_dist_sync"
 
 
-class HoraDistAsyncStore(_ServerStore):
-    """``hora_dist_async``: MXNet's ``dist_async`` on hora's parameter servers."""
+class HoraDistAsyncStore(_ServerStore, sparse.NativeStoreSurface):
+    """``hora_dist_async``: MXNet's ``dist_async`` on hora's parameter servers (an ``mx.kv.KVStore`` too)."""
 
     kv_type = "hora_dist_async"
 

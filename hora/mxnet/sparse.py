@@ -18,6 +18,11 @@ import numpy as np
 from hora.errors import ConfigError
 
 
+class SparsePullError(ConfigError, mx.base.MXNetError):
+    """``pull(..., ignore_sparse=False)`` on a dist store: refused as MXNet's dist stores refuse it (and of
+    MXNet's error type too, which scripts written for MXNet catch)."""
+
+
 def is_sparse(array: Any) -> bool:
     """True for a row_sparse NDArray (the only sparse storage type a store takes)."""
     return isinstance(array, mx.nd.NDArray) and array.stype == "row_sparse"
@@ -77,3 +82,37 @@ def row_ids_of(row_ids: Any, count: int) -> list[np.ndarray]:
         raise ConfigError(f"row_sparse_pull: {len(arrays)} row_ids for {count} outs; pass one, or one per out")
     host = [a.asnumpy() if isinstance(a, mx.nd.NDArray) else np.asarray(a) for a in arrays]
     return host * count if len(host) == 1 else host
+
+
+class NativeStoreSurface(mx.kv.KVStore):
+    """Makes a hora server store an ``mx.kv.KVStore`` for gluon's sparse checks.
+
+    gluon's ``Trainer`` checks with ``isinstance(kv, mx.kv.KVStore)`` before it
+    trains row_sparse weights or sparse gradients on a store instance. The check
+    stands for "a store that takes row_sparse pushes and row_sparse_pull", which
+    hora's server stores do, so they are real subclasses. This base then
+    replaces every member of ``KVStore`` that uses its C handle:
+
+    - there is no handle (``handle`` is None) and nothing to free;
+    - ``_barrier`` is the store's barrier;
+    - ``_set_updater`` (a Python updater on the workers) and ``_send_command_to_servers``
+      (MXNet's raw server commands) raise with what to use instead.
+
+    The store class (first in the bases) supplies everything else.
+    """
+
+    handle = None
+
+    def __del__(self) -> None:
+        return None  # no C handle to free; the store closes at exit
+
+    def _barrier(self) -> None:
+        self.barrier()  # type: ignore[attr-defined]
+
+    def _set_updater(self, updater: Any) -> None:
+        raise ConfigError("hora's server stores run the optimizer on the servers (set_optimizer) and take no "
+                          "worker-side updater: use set_optimizer, or update on the workers with the 'hora' store")
+
+    def _send_command_to_servers(self, head: int, body: str) -> None:
+        raise ConfigError(f"MXNet's raw server command {head} has no hora equivalent; the optimizer travels with "
+                          "set_optimizer, and server profiling is not available on hora's servers")

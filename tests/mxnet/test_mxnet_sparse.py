@@ -21,8 +21,8 @@ SPLIT = {"HORA_PS_BIGARRAY_BOUND": "50"}  # the 40 x 3 keys are cut over both se
                          ids=["dist_sync", "dist_async", "gluon"])
 def test_row_sparse_keys(args):
     """init/push/pull/row_sparse_pull with repeated, unsorted and never-pushed rows; lazy SGD and Adam as MXNet's
-    own updater computes them; gluon's SparseEmbedding trains through 'hora_dist_sync' as one process does, and
-    gluon refuses the plug-in store for a dense weight with sparse gradients."""
+    own updater computes them; gluon's SparseEmbedding and Embedding(sparse_grad=True) train through the store
+    (an mx.kv.KVStore) as one process does."""
     proc = hora_run(2, [sys.executable, JOB, *args], timeout=150, extra_args=["-s", "2"], env=SPLIT)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
