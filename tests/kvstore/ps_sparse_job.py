@@ -103,6 +103,30 @@ def sync() -> int:
             checks += 1
         else:
             raise AssertionError(f"no error for a call that should fail with {words!r}")
+    # what a worker's checks would stop, sent raw: each server refuses it with a reason, and nothing changes
+    from hora.errors import PSError
+    from hora.kvstore.ps.wire import Cmd
+
+    shard = kv._info("emb").shards[0]
+    n = shard.size
+    forged = (({"n": n + WIDTH, "w": WIDTH}, [0], 1, "do not fit"),
+              ({"n": n, "w": WIDTH}, [n // WIDTH], 1, "row ids must be int64"),
+              ({"n": n, "w": WIDTH}, [0, 1], 1, "need 6"))
+    before = np.empty((ROWS, WIDTH), np.float32)
+    kv.pull("emb", out=before)
+    for fields, ids, count, words in forged:
+        rows = np.ones(count * WIDTH, np.float32)
+        try:
+            kv._client.call(shard.server, Cmd.ROW_PUSH, {"k": "emb", "seq": 1000, **fields},
+                            (np.array(ids, np.int64), rows))
+        except PSError as e:
+            assert words in str(e), e
+            checks += 1
+        else:
+            raise AssertionError(f"the server took a forged row push ({words})")
+    after = np.empty_like(before)
+    kv.pull("emb", out=after)
+    np.testing.assert_array_equal(after, before)
     kv.barrier()
     kv.close()
     return checks
