@@ -4,7 +4,7 @@
 with repeated and unsorted ids and rows never pushed, ``pull`` skipping
 row_sparse outs and refusing ``ignore_sparse=False`` (as MXNet's dist stores),
 merged row pushes (one worker pushing no rows) under MXNet's ``test``
-optimizer, and lazy SGD and Adam checked against MXNet's own updater on the
+optimizer, and lazy SGD and Adam equal bit for bit to MXNet's own updater on the
 merged row_sparse gradient.  ``--gluon``: a ``SparseEmbedding``
 (row_sparse weight) through ``kvstore='hora_dist_sync'``, then an
 ``nn.Embedding(sparse_grad=True)`` (dense weight, row_sparse gradient) through
@@ -95,8 +95,7 @@ def check_store(kv) -> None:
             updater(0, merged(it, workers), local)  # MXNet's own lazy update: dense weight, row_sparse grad
             got = mx.nd.zeros(SHAPE)
             kv.pull(key, out=got)
-            np.testing.assert_allclose(got.asnumpy(), local.asnumpy(), rtol=1e-6, atol=1e-7,
-                                       err_msg=f"{name} step {it}")
+            np.testing.assert_array_equal(got.asnumpy(), local.asnumpy(), err_msg=f"{name} step {it}")
         untouched = [0, 2, 3]
         np.testing.assert_array_equal(got.asnumpy()[untouched], initial()[untouched])
 
