@@ -18,6 +18,10 @@ dist_sync job per server optimizer (issue 30: the servers' update of each push
 is part of the push+pull), ``--repeat`` interleaved rounds, each over the
 first optimizer's time.
 
+``--sparse`` instead runs the row_sparse embedding benchmark of issue 30
+(:mod:`benchmarks.kvstore_sparse`: 1,000,000 x 64 float32, 10,000 rows
+pushed and ``row_sparse_pull``-ed per step, MXNet and hora jobs alternating).
+
 ``--transports shm,tcp,curve`` instead compares hora's own transports in one
 run (issue 19): shared memory (the default on one host), the socket
 (``HORA_PS_SHM=0``, handshake-authenticated, HMAC per message) and the
@@ -32,6 +36,7 @@ should be quiet::
     python benchmarks/kvstore.py --workers 2 --servers 1,2 --sizes 4MiB,16MiB,64MiB --iters 10 --json kv.json
     python benchmarks/kvstore.py --transports shm,tcp,curve --servers 1 --sizes 64MiB --iters 30 --repeat 3
     python benchmarks/kvstore.py --optimizers sgd,sgd+momentum,adam,adagrad,lamb --servers 1 --sizes 64MiB --repeat 3
+    python benchmarks/kvstore.py --sparse --servers 1 --repeat 3 --iters 20 --mxnet-venv /work/main/.venv-mxnet
 """
 
 from __future__ import annotations
@@ -74,7 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-allreduce", action="store_true", help="skip hora's dist_sync_allreduce row")
     p.add_argument("--transports", default="", help=f"compare hora's transports instead ({', '.join(TRANSPORTS)})")
     p.add_argument("--optimizers", default="", help="compare server optimizers instead (the first is the baseline)")
-    p.add_argument("--repeat", type=int, default=1, help="with --transports/--optimizers: interleaved runs of each")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="with --transports/--optimizers/--sparse: interleaved runs of each")
+    p.add_argument("--sparse", action="store_true", help="the row_sparse embedding benchmark instead")
     p.add_argument("--mxnet-venv", type=Path, default=Path(os.environ.get("HORA_MXNET_VENV", DEFAULT_VENV)),
                    help="venv of the MXNet peer (created by setup.sh when missing)")
     p.add_argument("--link", default="auto", help="link rate for the cost model ('auto': loopback measured)")
@@ -211,6 +218,14 @@ def transport_table(rows: list[dict[str, Any]], label: str = "transport") -> str
 def main(argv: list[str] | None = None) -> int:
     """Run MXNet, then hora; print the tables; write JSON."""
     args = parse_args(argv)
+    if args.sparse:
+        import kvstore_sparse
+
+        python = None if args.no_mxnet else str(mxnet_python(args.mxnet_venv))
+        return kvstore_sparse.main(["--workers", str(args.workers), "--servers", str(args.server_list[0]),
+                                    "--repeat", str(args.repeat), "--iters", str(args.iters), "--timeout",
+                                    str(args.timeout), *(["--mxnet-python", python] if python else []),
+                                    *(["--json", str(args.json)] if args.json else [])])
     options = RunOptions(timeout_s=args.timeout)
     model = cost_model(args.link, None, options)
     if args.optimizer_list:

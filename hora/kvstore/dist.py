@@ -68,6 +68,11 @@ class _KeyInfo:
     shards: list[Shard]
 
     @property
+    def width(self) -> int:
+        """Elements per row (the first dimension indexes the rows of a row_sparse key)."""
+        return int(np.prod(self.shape[1:], dtype=np.int64)) if len(self.shape) >= 2 else 1
+
+    @property
     def numel(self) -> int:
         return self.shards[-1].hi if self.shards else 0
 
@@ -137,6 +142,12 @@ class DistKVStore(KVStore):
         """Number of servers in the job."""
         return self._client.num_servers
 
+    @property
+    def traffic(self) -> dict[str, int]:
+        """Bytes this worker has sent to and received from the servers' sockets so far (shared-memory
+        payloads excluded: they never touch a socket)."""
+        return dict(self._client.traffic)
+
     # --- data -------------------------------------------------------------------------------------
     def _init(self, keys: list[str], values: list[Array]) -> None:
         client = self._client
@@ -145,7 +156,10 @@ class DistKVStore(KVStore):
         for key, value in zip(keys, values, strict=True):
             host = _host(value)
             shape = tuple(int(s) for s in host.shape)
-            self._keys[key] = _KeyInfo(shape, host.dtype, place(key, host.size, client.num_servers, self._bound))
+            width = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) >= 2 else 1
+            # cut on row boundaries, so that a row_sparse push or pull of a row goes to one server
+            self._keys[key] = _KeyInfo(shape, host.dtype, place(key, host.size, client.num_servers, self._bound,
+                                                                max(width, 1)))
             hosts.append(host)
         with self._lock:
             for key in keys:
@@ -212,6 +226,101 @@ class DistKVStore(KVStore):
         for key, key_outs in zip(keys, outs, strict=True):
             self._check_outs(key, key_outs)
         self._pull_start(keys).finish(outs)
+
+    # --- row_sparse keys ------------------------------------------------------------------------------
+    def push_rows(self, key: Key, row_ids: Array, rows: Array) -> None:
+        """Push a row_sparse gradient of ``key``: only the rows ``row_ids`` (``rows[i]`` is row ``row_ids[i]``).
+
+        Repeated ids are summed first.  Each server holding a part of the key
+        gets the ids and rows of its part (an empty push where none fall in it,
+        which still counts as this worker's push in a ``dist_sync`` round).  The
+        servers merge the round's rows and apply them (see
+        :mod:`hora.kvstore.ps.rows`).  Returns once the requests are queued.
+
+        Raises:
+            ConfigError: the key was not initialised as a matrix, ids are out of range, or rows do not fit.
+        """
+        from hora.kvstore.ps.rows import merge_rows
+
+        client = self._client
+        client.check()
+        self._raise_push_errors(None)
+        name = self._key(key)
+        info = self._info(name)
+        if not client.sync and not self._optimizer_set:
+            raise ConfigError("dist_async applies every push through the optimizer on the servers: call "
+                              "kv.set_optimizer(...) first (MXNet's server aborts here)")
+        ids, width = self._row_ids(name, info, row_ids, "push"), info.width
+        data = _host(rows)
+        if data.dtype != info.dtype or data.size != ids.size * width:
+            raise ConfigError(f"row push of key {name!r}: {ids.size} row ids need rows of {info.dtype.name}"
+                              f"{[ids.size, *info.shape[1:]]}, got {data.dtype.name}{list(data.shape)}")
+        # (merge_rows returns new arrays: the caller may reuse its own at once)
+        ids, data = merge_rows([(ids, data.reshape(-1, width))], width, info.dtype)
+        with self._lock:
+            seq = self._seq[name] = self._seq.get(name, 0) + 1
+        for s, lo, hi in self._row_parts(info, ids):
+            p = client.request(s.server, Cmd.ROW_PUSH, {"k": name, "seq": seq, "n": s.size, "w": width},
+                               (ids[lo:hi] - s.lo // width, data[lo:hi].reshape(-1)))
+            with self._lock:
+                self._inflight.append((name, p))
+
+    def pull_rows(self, key: Key, row_ids: Array) -> tuple[np.ndarray, np.ndarray]:
+        """The stored rows ``row_ids`` of ``key``, after this worker's pushes of it (MXNet's row_sparse_pull).
+
+        Returns ``(ids, rows)``: the sorted unique ids (duplicates asked for
+        once, as MXNet does) and an array of shape ``(len(ids), *shape[1:])``.
+        Rows nobody pushed hold their initial value.  Only these rows travel.
+        """
+        client = self._client
+        client.check()
+        name = self._key(key)
+        info = self._info(name)
+        ids, width = np.unique(self._row_ids(name, info, row_ids, "pull")), info.width
+        after = self._seq.get(name, 0)
+        requests = [(lo, hi, client.request(s.server, Cmd.ROW_PULL, {"k": name, "after": after, "n": s.size,
+                                                                       "w": width}, (ids[lo:hi] - s.lo // width,)))
+                    for s, lo, hi in self._row_parts(info, ids) if hi > lo]
+        out = np.empty((ids.size, width), info.dtype)
+        for lo, hi, p in requests:
+            msg = p.wait()
+            value = msg.arrays[0] if msg.arrays else None
+            self._check_pulled(name, value, info, (hi - lo) * width)
+            out[lo:hi] = value.reshape(-1, width)  # type: ignore[union-attr]
+        self._raise_push_errors({name})
+        return ids, out.reshape((ids.size, *info.shape[1:]))
+
+    def row_sparse_pull(self, key: Key, out: Array, row_ids: Array) -> None:
+        """Fill ``out`` (the key's full shape) with the stored rows ``row_ids`` and zeros elsewhere, as a
+        row_sparse ``out`` of MXNet's ``row_sparse_pull`` reads when made dense; only those rows travel."""
+        ids, rows = self.pull_rows(key, row_ids)
+        info = self._info(self._key(key))
+        if tuple(int(d) for d in out.shape) != info.shape:
+            raise ConfigError(f"row_sparse_pull of key {key!r}: out has shape {tuple(out.shape)} but the key holds "
+                              f"{info.shape}")
+        full = np.zeros(info.shape, info.dtype)
+        full[ids] = rows
+        _copy_into(out, full)
+
+    def _row_ids(self, name: str, info: _KeyInfo, row_ids: Array, what: str) -> np.ndarray:
+        if len(info.shape) < 2:
+            raise ConfigError(f"row {what} of key {name!r}: rows need a key of 2 or more dimensions, it holds "
+                              f"{info.shape}")
+        ids = _host(row_ids).reshape(-1)
+        if ids.dtype.kind not in "iu" and not (ids.size == 0 or np.all(ids == np.round(ids))):
+            raise ConfigError(f"row {what} of key {name!r}: row ids must be integers, got {ids.dtype}")
+        ids = ids.astype(np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= info.shape[0]):
+            raise ConfigError(f"row {what} of key {name!r}: row ids must lie in [0, {info.shape[0]}), got "
+                              f"[{ids.min()}, {ids.max()}]")
+        return ids
+
+    @staticmethod
+    def _row_parts(info: _KeyInfo, ids: np.ndarray) -> list[tuple[Shard, int, int]]:
+        """Per shard, the range of the sorted ``ids`` that fall in it (shards are cut on row boundaries)."""
+        width = info.width
+        return [(s, int(np.searchsorted(ids, s.lo // width)), int(np.searchsorted(ids, s.hi // width)))
+                for s in info.shards]
 
     def pushpull_async(self, key: Key | Sequence[Key], value: Array | Sequence[Array],
                        priority: int = 0) -> PullTicket:

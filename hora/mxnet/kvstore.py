@@ -32,7 +32,7 @@ import numpy as np
 from hora.core import runtime
 from hora.core.ops import ReduceOp
 from hora.errors import ConfigError
-from hora.mxnet import engine, mpi_ops
+from hora.mxnet import engine, mpi_ops, sparse
 from hora.mxnet.buffers import check_ndarray, copy_into, engine_view, on_host, read_view, write_view
 from hora.mxnet.server_optimizer import hora_optimizer_of
 
@@ -297,18 +297,62 @@ class _ServerStore(KVStoreBase):
         """Store worker 0's value of each key on the servers (every worker calls it)."""
         self._sync()
         pairs = _pairs(key, value)
-        self._store.init([k for k, _ in pairs], [self._host(v[:1])[0] for _, v in pairs])
+        # a row_sparse value is stored whole (its dense form), as MXNet's servers store every row
+        self._store.init([k for k, _ in pairs], [self._host([sparse.dense(v[0])])[0] for _, v in pairs])
 
     def push(self, key: Any, value: Any, priority: int = 0) -> None:
-        """Push values (several per key are summed first); returns once the data is copied."""
+        """Push values (several per key are summed first); returns once the data is copied.
+
+        A row_sparse value travels as its row ids and rows only (:mod:`hora.mxnet.sparse`).
+        """
         self._sync()
         pairs = _pairs(key, value)
-        self._store.push([k for k, _ in pairs], [self._host(v) for _, v in pairs], priority)
+        dense_pairs = []
+        for k, v in pairs:
+            for a in v:
+                sparse.check_storage(a, "push")
+            if any(sparse.is_sparse(a) for a in v):
+                self._store.push_rows(k, *sparse.rows_of(v))
+            else:
+                dense_pairs.append((k, v))
+        if dense_pairs:
+            self._store.push([k for k, _ in dense_pairs], [self._host(v) for _, v in dense_pairs], priority)
 
-    def pull(self, key: Any, out: Any = None, priority: int = 0, ignore_sparse: bool = True) -> None:
-        """Copy the servers' values of each key into ``out``."""
+    def row_sparse_pull(self, key: Any, out: Any = None, priority: int = 0, row_ids: Any = None) -> None:
+        """Pull only the rows ``row_ids`` of each key into row_sparse ``out`` (MXNet's ``row_sparse_pull``).
+
+        Row ids need not be sorted or unique: ``out`` holds each asked row once,
+        sorted; rows nobody pushed hold their initial value.
+        """
         self._sync()
         pairs = _pairs(key, out)
+        if len(pairs) == 1:
+            per_key = [row_ids]
+        elif isinstance(row_ids, (list, tuple)) and len(row_ids) == len(pairs):
+            per_key = list(row_ids)
+        else:
+            raise ConfigError(f"row_sparse_pull of {len(pairs)} keys needs a list of row_ids, one per key")
+        for (k, outs), ids_of_key in zip(pairs, per_key, strict=True):
+            for a, ids in zip(outs, sparse.row_ids_of(ids_of_key, len(outs)), strict=True):
+                sparse.fill_rows(a, *self._store.pull_rows(k, ids))
+
+    def pull(self, key: Any, out: Any = None, priority: int = 0, ignore_sparse: bool = True) -> None:
+        """Copy the servers' values of each key into ``out``.
+
+        row_sparse outs are skipped (MXNet's ``ignore_sparse=True``); pull their rows with
+        ``row_sparse_pull``.  ``ignore_sparse=False`` is refused, as MXNet's dist stores refuse it.
+        """
+        if not ignore_sparse:
+            raise sparse.SparsePullError("dist kvstore pull doesn't support ignore_sparse=False (as MXNet's): pull "
+                                         "row_sparse values with row_sparse_pull(key, out, row_ids)")
+        self._sync()
+        pairs = []
+        for k, arrays in _pairs(key, out):
+            kept = [a for a in arrays if not sparse.is_sparse(a)]
+            if kept:
+                pairs.append((k, kept))
+        if not pairs:
+            return
         views: list[list[np.ndarray]] = []
         copies: list[tuple[mx.nd.NDArray, np.ndarray]] = []
         for _, arrays in pairs:
@@ -404,14 +448,15 @@ class _ServerStore(KVStoreBase):
         self._store.close()
 
 
-class HoraDistSyncStore(_ServerStore):
-    """``hora_dist_sync``: MXNet's ``dist_sync`` on hora's parameter servers."""
+class HoraDistSyncStore(_ServerStore, sparse.NativeStoreSurface):
+    """``hora_dist_sync``: MXNet's ``dist_sync`` on hora's parameter servers (an ``mx.kv.KVStore``, for gluon's
+    sparse checks: see :class:`hora.mxnet.sparse.NativeStoreSurface`)."""
 
     kv_type = "hora_dist_sync"
 
 
-class HoraDistAsyncStore(_ServerStore):
-    """``hora_dist_async``: MXNet's ``dist_async`` on hora's parameter servers."""
+class HoraDistAsyncStore(_ServerStore, sparse.NativeStoreSurface):
+    """``hora_dist_async``: MXNet's ``dist_async`` on hora's parameter servers (an ``mx.kv.KVStore`` too)."""
 
     kv_type = "hora_dist_async"
 

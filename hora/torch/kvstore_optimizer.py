@@ -139,13 +139,45 @@ class KVStoreOptimizer(WrappedOptimizer):
             self._push([p])
 
     def _push(self, params: list[torch.Tensor]) -> None:
+        dense = []
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # unused this step here; other workers may have a gradient
+            self._pushed.add(id(p))
+            if p.grad.is_sparse and self._push_rows(p):
+                continue
             if p.grad.is_sparse:
                 p.grad = p.grad.to_dense()
-            self._pushed.add(id(p))
-        self._kv.push([self._key[id(p)] for p in params], [p.grad for p in params])
+            dense.append(p)
+        if dense:
+            self._kv.push([self._key[id(p)] for p in dense], [p.grad for p in dense])
+
+    def _push_rows(self, p: torch.Tensor) -> bool:
+        """Push a sparse COO gradient of whole rows (``nn.Embedding(sparse=True)``) as row ids and rows only;
+        False when the store or the gradient's layout cannot (it is then pushed dense)."""
+        push_rows = getattr(self._kv, "push_rows", None)
+        if push_rows is None or p.dim() < 2 or p.grad.sparse_dim() != 1:
+            return False
+        grad = p.grad.coalesce()
+        push_rows(self._key[id(p)], grad.indices()[0], grad.values())
+        return True
+
+    def pull_rows(self, param: torch.Tensor, row_ids: torch.Tensor) -> None:
+        """Copy the servers' rows ``row_ids`` of ``param`` into it, and only those (MXNet's row_sparse_pull).
+
+        For an embedding whose next batch reads a few rows: only they travel.
+        Needs the update on the servers and a parameter-server store.
+
+        Raises:
+            HoraError: no server update, or the store cannot pull rows.
+        """
+        pull_rows = getattr(self._kv, "pull_rows", None)
+        if not self._server_update or pull_rows is None:
+            raise HoraError("pull_rows() needs the update on the servers of a parameter-server store "
+                            "(kvstore='dist_sync' or 'dist_async' with a server optimizer)")
+        ids, rows = pull_rows(self._key[id(param)], row_ids)
+        with torch.no_grad():
+            param[torch.from_numpy(ids).to(param.device)] = torch.from_numpy(rows).to(param.device, param.dtype)
 
     def synchronize(self) -> None:
         """Push what backward has not pushed yet, then pull: weights (server update) or summed gradients."""
@@ -155,6 +187,9 @@ class KVStoreOptimizer(WrappedOptimizer):
             if self._server_update:
                 self._kv.pull(keys, out=[p.detach() for p in self._params])
             else:
+                for p in self._params:
+                    if p.grad.is_sparse:  # the pulled sum of rows pushed by several workers is dense
+                        p.grad = torch.zeros_like(p)
                 self._kv.pull(keys, out=[p.grad for p in self._params])
                 scale = 1.0 / self._kv.num_workers
                 for p in self._params:

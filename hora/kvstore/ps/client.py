@@ -172,6 +172,8 @@ class Client:
         self._push_buffers: dict[tuple[int, str], list[PushBuffer]] = {}
         self._shm_push_off = False  # set when a segment could not be created
         self._releases: dict[int, list[int]] = {}  # server -> ids of pulls whose shared-memory replies were read
+        #: bytes this worker sent to and received from the servers' sockets (frames, resends included)
+        self.traffic = {"sent": 0, "received": 0}
         self._thread = threading.Thread(target=self._loop, name=f"hora-ps-worker-{self.rank}", daemon=True)
         self._thread.start()
         self._started = True
@@ -403,6 +405,8 @@ class Client:
     def _send(self, p: Pending, now: float) -> None:
         sock = self.link.sock if p.dst == SCHEDULER else self.servers[p.dst]
         send(sock, p.frames)  # type: ignore[arg-type]
+        if p.dst != SCHEDULER:
+            self.traffic["sent"] += sum(f.nbytes if hasattr(f, "nbytes") else len(f) for f in p.frames)  # type: ignore
         resend = self.config.resend_timeout_ms / 1000
         if resend:
             p.deadline = now + resend * (2 ** min(p.attempts, 10)) + p.nbytes / _BYTES_PER_S
@@ -433,7 +437,9 @@ class Client:
             log.info("worker %d: %s left the job", self.rank, msg["node"])
 
     def _on_server(self, j: int, frames: list) -> None:
-        if sum(len(f) for f in frames) < _INLINE_BYTES:
+        size = sum(len(f) for f in frames)
+        self.traffic["received"] += size
+        if size < _INLINE_BYTES:
             self._reply(j, frames)
         else:  # verify large replies in parallel; replies are matched by id, so their order does not matter
             wire.decode_pool().submit(self._reply, j, frames)

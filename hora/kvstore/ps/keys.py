@@ -57,6 +57,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_PULLS = (Cmd.PULL, Cmd.ROW_PULL)
+
 
 class Op:
     """One request for a key, as the event loop hands it to the key's state machine.
@@ -67,18 +69,20 @@ class Op:
     ``held`` is the request's bytes counted in the server's backlog; ``src`` is
     ``(segment, byte offset)`` when ``array`` is a view of a worker's
     shared-memory segment; ``shm`` marks a pull that may be answered through
-    shared memory.
+    shared memory.  ``ids`` and ``width`` are the row ids and row width of a
+    ``ROW_PUSH`` (whose ``array`` holds the rows) or a ``ROW_PULL``.
     """
 
     __slots__ = ("cmd", "worker", "rid", "route", "key", "array", "seq", "off", "length", "n", "z", "held", "src",
-                 "shm")
+                 "shm", "ids", "width")
 
     def __init__(self, cmd: Cmd, worker: int, rid: int, route: bytes, key: str, array: np.ndarray | None = None,
                  seq: int = 0, off: int = 0, length: int = 0, n: int = 0, z: int = -1, held: int = 0,
-                 src: tuple[Segment, int] | None = None, shm: bool = False) -> None:
+                 src: tuple[Segment, int] | None = None, shm: bool = False, ids: np.ndarray | None = None,
+                 width: int = 0) -> None:
         self.cmd, self.worker, self.rid, self.route, self.key, self.array = cmd, worker, rid, route, key, array
         self.seq, self.off, self.length, self.n, self.z = seq, off, length, n, z
-        self.held, self.src, self.shm = held, src, shm
+        self.held, self.src, self.shm, self.ids, self.width = held, src, shm, ids, width
 
     def drop_pages(self) -> None:
         """Unmap the pages of a shared-memory array this op read (nothing for a received frame)."""
@@ -154,7 +158,7 @@ class KeyState:
     """What the server knows about one key (its shard on this server)."""
 
     __slots__ = ("name", "value", "spare", "spare_tokens", "digests", "tokens", "error", "expected", "got", "merge",
-                 "deferred",
+                 "rows", "width", "deferred",
                  "assembling", "applied", "finished", "init_buf", "init_got", "inbox", "running", "lock")
 
     def __init__(self, name: str) -> None:
@@ -177,6 +181,8 @@ class KeyState:
         self.expected: dict[int, int] = {}  # sync: the push number of each worker in this round (default 1)
         self.got: dict[int, int] = {}  # sync: elements of each worker's current push merged so far
         self.merge: np.ndarray | None = None
+        self.rows: list[tuple[np.ndarray, np.ndarray]] = []  # sync: this round's pushed (ids, rows), unmerged
+        self.width = 0  # row width of this round's row pushes
         self.deferred: list[Op] = []  # parts of later pushes, and pulls that wait for a push
         self.assembling: dict[tuple[int, int], list] = {}  # async: (worker, seq) -> [buffer, elements]
         self.applied: dict[int, int] = {}  # async: every push of the worker up to this number is applied
@@ -313,6 +319,9 @@ class Keys:
         if value is None:
             server.reply(op, error=f"key {op.key!r} was not initialised: call init() on every worker first")
             return
+        if op.cmd in (Cmd.ROW_PUSH, Cmd.ROW_PULL):
+            self._rows(k, op)
+            return
         length = op.length if op.cmd is Cmd.PULL else (op.z if op.z >= 0 else op.array.size)
         if op.n != value.size or op.off < 0 or length < 0 or op.off + length > value.size:
             server.reply(op, error=f"key {op.key!r}: elements [{op.off}, {op.off + length}) of a {op.n}-element "
@@ -351,7 +360,7 @@ class Keys:
                 return
             value, k.init_buf = k.init_buf, None
         for pending in k.deferred:
-            if pending.cmd is Cmd.PULL:
+            if pending.cmd in _PULLS:
                 self.server.reply(pending, error=f"key {op.key!r} was initialised again while this pull waited")
         k.value = value
         k.reset()
@@ -408,14 +417,103 @@ class Keys:
             del k.assembling[(w, op.seq)]
             grad = slot[0]
         server.reply(op, error=self._apply(k, grad, merged=False))
-        done = k.finished.setdefault(w, set())
+        self._applied(k, op)
+
+    def _applied(self, k: KeyState, op: Op) -> None:
+        """async: push ``op.seq`` of its worker is applied; answer the pulls that waited for it."""
+        done = k.finished.setdefault(op.worker, set())
         done.add(op.seq)
-        applied = k.applied.get(w, 0)
+        applied = k.applied.get(op.worker, 0)
         while applied + 1 in done:
             applied += 1
             done.discard(applied)
-        k.applied[w] = applied
+        k.applied[op.worker] = applied
         self._retry_deferred(k)
+
+    # --- row_sparse keys (hora.kvstore.ps.rows) ------------------------------------------------------
+    def _rows(self, k: KeyState, op: Op) -> None:
+        """A ROW_PUSH or ROW_PULL: checked against the stored value, then merged, applied or answered."""
+        server, value, ids, w = self.server, k.value, op.ids, op.width
+        why = ""
+        if op.n != value.size or w <= 0 or value.size % w:  # type: ignore[union-attr]
+            why = (f"rows of width {w} of a {op.n}-element shard do not fit the {value.size} elements this server "
+                   "holds (was the key initialised with another shape?)")  # type: ignore[union-attr]
+        elif ids.dtype != np.int64 or (ids.size and (ids.min() < 0 or ids.max() >= value.size // w)):  # type: ignore
+            why = f"row ids must be int64 in [0, {value.size // w})"  # type: ignore[union-attr]
+        elif op.cmd is Cmd.ROW_PUSH and (op.array.size != ids.size * w or op.array.dtype != value.dtype):  # type: ignore
+            why = (f"{ids.size} rows of width {w} need {ids.size * w} {value.dtype} values, got "  # type: ignore
+                   f"{op.array.size} {op.array.dtype}")  # type: ignore[union-attr]
+        if why:
+            server.reply(op, error=f"key {op.key!r}: {why}")
+            return
+        if op.cmd is Cmd.ROW_PULL:
+            if server.sync and k.error:
+                server.reply(op, error=k.error)
+            elif self._pull_ready(k, op):
+                server.reply(op, arrays=(np.take(value.reshape(-1, w), ids, axis=0).reshape(-1),))  # type: ignore
+            elif server.sync and not self._round_can_complete(k):
+                server.reply(op, error=self._departed_error(k))
+            else:
+                k.deferred.append(op)
+            return
+        from hora.kvstore.ps.rows import apply_rows
+
+        if server.sync:
+            expected = k.expected.get(op.worker, 1)
+            if op.seq != expected:
+                if op.seq > expected:
+                    k.deferred.append(op)
+                server.reply(op)
+                return
+            if k.rows and k.width != w:
+                server.reply(op, error=f"key {op.key!r}: rows of width {w} pushed in a round of width {k.width}")
+                return
+            k.rows.append((ids, op.array))  # type: ignore[arg-type]
+            k.width = w
+            k.got[op.worker] = value.size  # type: ignore[union-attr]
+            server.reply(op)
+            if all(k.got.get(r, -1) >= value.size for r in range(server.num_workers)):  # type: ignore[union-attr]
+                self._finish_round(k)
+            else:
+                self.check_departed(k)
+            return
+        if server.updater is None:
+            server.reply(op, error="dist_async applies every push through the optimizer on the servers: call "
+                                   "kv.set_optimizer(...) before pushing (MXNet's server aborts here)")
+            return
+        from hora.kvstore.ps.rows import merge_rows
+
+        merged_ids, merged = merge_rows([(ids, op.array)], w, value.dtype)  # type: ignore[list-item,union-attr]
+        server.reply(op, error=self._apply_rows(k, merged_ids, merged, w, apply_rows))
+        self._applied(k, op)
+
+    def _apply_rows(self, k: KeyState, ids: np.ndarray, rows: np.ndarray, width: int, apply: Any) -> str:
+        """Update the stored value's rows through the updater (copy-on-write as :meth:`_apply`)."""
+        if k.busy() and not settle(k.tokens, 0.2):
+            k.value = self.server.copy_array(k.value)  # type: ignore[arg-type]
+        with self.updater_lock:
+            k.tokens, k.digests = [], {}
+            try:
+                apply(self.server.updater, k.name, ids, rows, k.value, width)
+            except Exception as e:
+                log.warning("server: the optimizer failed on rows of key %r: %s", k.name, e)
+                return f"the server optimizer failed on key {k.name!r}: {type(e).__name__}: {e}"
+        return ""
+
+    def _merged_rows(self, k: KeyState) -> str:
+        """sync: end a round whose pushes were rows: merge them, then apply (or store them, no optimizer)."""
+        from hora.kvstore.ps.rows import apply_rows, merge_rows
+
+        value, width = k.value, k.width
+        parts, k.rows = k.rows, []
+        ids, rows = merge_rows(parts, width, value.dtype)  # type: ignore[union-attr]
+        if k.merge is not None or self.server.updater is None:
+            # dense pushes in the same round, or no optimizer: the rows join a dense merge
+            merged = k.merge if k.merge is not None else self._buffer(k)
+            k.merge = None
+            merged.reshape(-1, width)[ids] += rows
+            return self._apply(k, merged, merged=True)
+        return self._apply_rows(k, ids, rows, width, apply_rows)
 
     def _gradient(self, k: KeyState, op: Op, length: int) -> np.ndarray | None:
         """The pushed part as an array like the stored value (decompressed), or None after an error reply."""
@@ -477,8 +575,11 @@ class Keys:
         return ""
 
     def _finish_round(self, k: KeyState) -> None:
-        merged, k.merge = k.merge, None
-        k.error = self._apply(k, merged, merged=True)  # type: ignore[arg-type]
+        if k.rows:
+            k.error = self._merged_rows(k)
+        else:
+            merged, k.merge = k.merge, None
+            k.error = self._apply(k, merged, merged=True)  # type: ignore[arg-type]
         k.got = {}
         for r in range(self.server.num_workers):
             k.expected[r] = k.expected.get(r, 1) + 1
@@ -520,6 +621,6 @@ class Keys:
             return
         error = self._departed_error(k)
         for op in k.deferred:
-            if op.cmd is Cmd.PULL:
+            if op.cmd in _PULLS:
                 self.server.reply(op, error=error)
-        k.deferred = [op for op in k.deferred if op.cmd is not Cmd.PULL]
+        k.deferred = [op for op in k.deferred if op.cmd not in _PULLS]

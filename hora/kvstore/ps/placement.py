@@ -38,11 +38,16 @@ def server_of(key: str, num_servers: int) -> int:
     return int.from_bytes(digest, "little") % num_servers
 
 
-def place(key: str, numel: int, num_servers: int, bound: int) -> list[Shard]:
-    """The shards of a key of ``numel`` elements (one shard unless it is big and there are several servers)."""
+def place(key: str, numel: int, num_servers: int, bound: int, unit: int = 1) -> list[Shard]:
+    """The shards of a key of ``numel`` elements (one shard unless it is big and there are several servers).
+
+    With ``unit`` > 1 (the row width of a row_sparse key) every cut falls on a multiple of ``unit``, so each
+    row lives whole on one server and a row's server follows from its id.
+    """
     if numel < bound or num_servers == 1:
         return [Shard(server_of(key, num_servers), 0, numel)]
-    cuts = [numel * s // num_servers for s in range(num_servers + 1)]
+    units = numel // unit
+    cuts = [units * s // num_servers * unit for s in range(num_servers)] + [numel]
     return [Shard(s, cuts[s], cuts[s + 1]) for s in range(num_servers) if cuts[s + 1] > cuts[s]]
 
 

@@ -50,10 +50,10 @@ from hora.kvstore.ps.wire import Cmd, Message, WireError
 
 log = logging.getLogger(__name__)
 
-_KEY_CMDS = (Cmd.INIT, Cmd.PUSH, Cmd.PULL)
+_KEY_CMDS = (Cmd.INIT, Cmd.PUSH, Cmd.PULL, Cmd.ROW_PUSH, Cmd.ROW_PULL)
 _INLINE_BYTES = 64 * 1024  # smaller requests are verified on the event loop itself
 _BACKLOG_BYTES = 32 * 1024 * 1024  # stop reading requests while this much data waits to be verified or merged
-_MUTATING = (Cmd.INIT, Cmd.PUSH, Cmd.SET_OPTIMIZER, Cmd.SET_COMPRESSION, Cmd.SET_STATES)
+_MUTATING = (Cmd.INIT, Cmd.PUSH, Cmd.ROW_PUSH, Cmd.SET_OPTIMIZER, Cmd.SET_COMPRESSION, Cmd.SET_STATES)
 _WORKER_CMDS = (*_KEY_CMDS, Cmd.SET_OPTIMIZER, Cmd.SET_COMPRESSION, Cmd.GET_STATES, Cmd.SET_STATES, Cmd.SHM_HELLO,
                 Cmd.RELEASE)
 _MAX_RELEASE = 4096  # pull ids one RELEASE may name, and released ids remembered per worker
@@ -303,6 +303,12 @@ class Server:
                 return False
             self.keys.submit(h["k"], op)
             return True
+        if msg.cmd in (Cmd.ROW_PUSH, Cmd.ROW_PULL):  # row_sparse keys: ids (and rows), see hora.kvstore.ps.rows
+            rows = msg.arrays[1] if msg.cmd is Cmd.ROW_PUSH else None
+            self.keys.submit(h["k"], Op(msg.cmd, worker, rid, route, h["k"], rows, seq=h.get("seq", h.get("after", 0)),
+                                        n=h["n"], held=nbytes if rows is not None else 0, ids=msg.arrays[0],
+                                        width=h["w"]))
+            return msg.cmd is Cmd.ROW_PUSH
         if msg.cmd is Cmd.PULL:
             self.keys.submit(h["k"], Op(Cmd.PULL, worker, rid, route, h["k"], seq=h["after"], off=h["off"],
                                         length=h["len"], n=h["n"], shm=h.get("m") is True))

@@ -81,6 +81,8 @@ class Cmd(enum.IntEnum):
     SHM_HELLO = 27      # worker -> server: may we share memory? (host identity, a probe segment and its nonce)
     RELEASE = 28        # worker -> server: done reading the shared-memory replies to pulls ``r`` (request ids)
     REPLY = 30          # server -> worker: answer to request ``i`` (e: error text, or "")
+    ROW_PUSH = 31       # worker -> server: push ``seq`` of a row_sparse gradient: row ids and their rows (width ``w``)
+    ROW_PULL = 32       # worker -> server: the rows with these ids, once push ``after`` is applied
 
 
 # Field types: "int", "str", "bool", "dict", "dict?" (dict or None), "list"; a leading "~" makes the field
@@ -109,11 +111,13 @@ SCHEMA: dict[Cmd, dict[str, str]] = {
     Cmd.SHM_HELLO: {**_REQ, "who": "str", "probe": "str", "nonce": "str"},
     Cmd.RELEASE: {"r": "list"},
     Cmd.REPLY: {"i": "int", "e": "str", "m": "~list"},
+    Cmd.ROW_PUSH: {**_REQ, "k": "str", "seq": "int", "n": "int", "w": "int"},
+    Cmd.ROW_PULL: {**_REQ, "k": "str", "after": "int", "n": "int", "w": "int"},
 }
 #: Number of payload arrays a command carries (None: any number).  A message whose header names a
 #: shared-memory range (``m``) carries none.
 ARRAYS: dict[Cmd, int | None] = {cmd: 0 for cmd in Cmd}
-ARRAYS.update({Cmd.INIT: 1, Cmd.PUSH: 1, Cmd.SET_STATES: None, Cmd.REPLY: None})
+ARRAYS.update({Cmd.INIT: 1, Cmd.PUSH: 1, Cmd.SET_STATES: None, Cmd.REPLY: None, Cmd.ROW_PUSH: 2, Cmd.ROW_PULL: 1})
 
 
 class Message:
