@@ -51,6 +51,15 @@ for _below in ("hora/core", "hora/kvstore", "hora/torch", "hora/tensorflow", "ho
     FORBIDDEN[_below] = (*FORBIDDEN[_below], "hora.ray")
 NO_FRAMEWORK_AT_IMPORT = (*NO_FRAMEWORK_AT_IMPORT, "hora/ray")
 
+# hora.spark sits on the runner beside hora.ray: it imports no binding and no framework at import time, but for
+# torch_data.py, the torch Dataset a rank imports only when it asks for one; nothing below (nor hora.ray) imports it.
+FORBIDDEN["hora/spark"] = (*_BINDINGS, "hora.kvstore", "hora.ray", *_COMMANDS)
+for _below in ("hora/core", "hora/kvstore", "hora/torch", "hora/tensorflow", "hora/mxnet", "hora/keras", "hora/_keras",
+               "hora/runner", "hora/testing", "hora/errors.py", "hora/envvars.py", "hora/config.py", "hora/ray"):
+    FORBIDDEN[_below] = (*FORBIDDEN[_below], "hora.spark")
+NO_FRAMEWORK_AT_IMPORT = (*NO_FRAMEWORK_AT_IMPORT, *(f"hora/spark/{f.name}" for f in sorted(PKG.glob("spark/*.py"))
+                                                     if f.name != "torch_data.py"))
+
 
 def _imports(path: Path) -> list[str]:
     tree = ast.parse(path.read_text())
@@ -173,7 +182,7 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-@pytest.mark.parametrize("target", ["hora/runner", "hora/ray", "hora/bench", "hora/testing"])
+@pytest.mark.parametrize("target", ["hora/runner", "hora/ray", "hora/spark", "hora/bench", "hora/testing"])
 def test_no_import_cycles_between_files(target):
     """Two files never import each other, directly or round a longer loop (function-level imports count)."""
     files = {_module_name(f): f for f in _files(target)}
