@@ -344,6 +344,10 @@ def _run_once(sc: Any, job: TaskJob, num_proc: int, df: Any, output: _Output, ve
                     break
                 if len(outcomes) >= num_proc or now - ended_at >= DRAIN_S:
                     break
+        if verbose >= 2:
+            for rank in sorted(outcomes):
+                log.info("hora.spark: rank %d ran on %s (exit code %d)", rank, outcomes[rank].host,
+                         outcomes[rank].returncode)
         if first_failure is not None:
             thread.join(timeout=CANCEL_WAIT_S)
             failed = sorted((o for o in outcomes.values() if o.returncode != 0), key=lambda o: o.at)

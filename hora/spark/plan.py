@@ -114,6 +114,10 @@ def visible_devices(infos: Sequence[TaskInfo], slots: Sequence[Slot], index: int
     if len(firsts) != len(local):
         raise ConfigError(f"on host {host}, some tasks of the job have GPUs and some have none: give every task "
                           "the same spark.task.resource.gpu.amount")
+    if len(set(firsts + rest)) != len(firsts + rest):
+        # Tasks share GPUs (a fractional spark.task.resource.gpu.amount): no order puts each rank's own GPU at
+        # its local rank, so a rank sees only its own, as device 0.
+        return ",".join(infos[index].gpus)
     return ",".join(firsts + rest)
 
 
@@ -201,7 +205,27 @@ _PY4J_LINE = re.compile(r"^(?:\S+Exception|\S+Error): (.*)$")
 
 
 def spark_error_summary(text: str) -> str:
-    """The first meaningful line of a Spark/Py4J error (its Java stack trace left out)."""
+    """The first meaningful line of a Spark/Py4J error (its Java stack trace left out), and, when a task's
+    Python code raised, that exception's last line (e.g. an executor that cannot import hora)."""
+    first = _first_line(text)
+    python = _python_error(text)
+    return f"{first}; a task's Python error: {python}" if python and python not in first else first
+
+
+def _python_error(text: str) -> str:
+    marker = text.find("PythonException:")
+    if marker < 0:
+        return ""
+    last = ""
+    for line in text[marker:].splitlines()[1:]:
+        if line.startswith(("\tat ", "\t", "\tat")) or line.startswith("Caused by"):
+            break
+        if line.strip() and not line.startswith(" "):
+            last = line.strip()
+    return last[:500]
+
+
+def _first_line(text: str) -> str:
     for line in text.strip().splitlines():
         line = line.strip().lstrip(": ")
         if not line or line.startswith(("at ", "Traceback", "File ", "py4j", "An error occurred")):

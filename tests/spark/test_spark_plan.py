@@ -59,6 +59,12 @@ def test_several_gpus_per_task_put_every_task_first_gpu_first():
     assert visible_devices(infos, slots, 1) == "0,2,1,3"
 
 
+def test_tasks_sharing_a_gpu_each_see_only_their_own():
+    infos = [_info(0, "h", ("0",)), _info(1, "h", ("0",))]
+    slots = plan_ranks(infos)
+    assert [visible_devices(infos, slots, i) for i in range(2)] == ["0", "0"]
+
+
 def test_no_gpus_means_no_cuda_visible_devices_and_mixed_gpus_are_refused():
     infos = [_info(0, "h"), _info(1, "h")]
     assert visible_devices(infos, plan_ranks(infos), 0) is None
@@ -111,6 +117,12 @@ def test_tracebacks_and_spark_errors_are_summarized():
     text = ("An error occurred while calling o93.collectAsArrowToPython.\n"
             ": org.apache.spark.SparkException: Job aborted due to stage failure: boom\n\tat org.apache.X")
     assert spark_error_summary(text) == "Job aborted due to stage failure: boom"
+    python = ("An error occurred while calling o1.collectAndServe.\n: org.apache.spark.SparkException: Job aborted "
+              "due to stage failure: barrier task failed.\norg.apache.spark.api.python.PythonException: Traceback "
+              "(most recent call last):\n  File \"worker.py\", line 1, in main\nModuleNotFoundError: No module "
+              "named 'hora'\n\n\tat org.apache.spark.api.python.BasePythonRunner.handlePythonException")
+    assert spark_error_summary(python) == ("Job aborted due to stage failure: barrier task failed.; a task's Python "
+                                           "error: ModuleNotFoundError: No module named 'hora'")
 
 
 def test_rank_failed_error_shows_the_traceback_and_pickles():
