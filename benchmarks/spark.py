@@ -11,7 +11,9 @@
    ``--steps`` timed steps after ``--warmup``, slowest rank) inside
    ``hora.spark.run`` and inside ``hora.run(..., use_gloo=True)`` (the path
    of ``hora run -np 2 --gloo``), in ABBA blocks with new processes on both
-   sides; the ratio is the median of the per-pair ratios.
+   sides; the ratio is the median of the per-pair ratios.  The ranks' CPU
+   time per step is printed beside it: on a loaded machine it shows whether
+   a gap is the ranks' own work or their share of the CPUs.
 3. **Feeding** (``--rows`` rows of ``--width`` float32s, 1M x 784 by default):
    Spark writes the data to a local Parquet directory once; then one rank of
    ``hora.spark.run(fn, df=spark.read.parquet(...))`` reads its partition as
@@ -194,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                 bench = _ray_bench()
                 block = (args.steps, args.warmup, args.batch, str(REPO / "examples" / "torch" / "models.py"))
                 rates: dict[str, list[float]] = {"spark": [], "gloo": []}
+                cpu: dict[str, list[float]] = {"spark": [], "gloo": []}  # rank CPU seconds per timed step
                 order = ["spark", "gloo", "gloo", "spark"]
                 for i in range(args.blocks * 2):
                     engine = order[i % 4]
@@ -202,13 +205,18 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         results = hora.run(bench.mlp_block, args=block, np=2, use_gloo=True, env=env)
                     rates[engine].append(results[0]["samples_per_s"])
-                    print(f"  block {i + 1:2d} {engine:5s} {results[0]['samples_per_s']:9.1f} samples/s   "
-                          f"load {load()}", flush=True)
+                    cpu[engine].append(statistics.mean(r["cpu_s"] for r in results) / args.steps)
+                    print(f"  block {i + 1:2d} {engine:5s} {results[0]['samples_per_s']:9.1f} samples/s, "
+                          f"{cpu[engine][-1] * 1e3:.1f} ms CPU per step per rank   load {load()}", flush=True)
                 ratios = [s / g for s, g in zip(rates["spark"], rates["gloo"], strict=True)]
+                cpu_ratios = [g / s for s, g in zip(cpu["spark"], cpu["gloo"], strict=True)]
                 figures["mlp_rates"] = rates
                 figures["mlp_ratios"] = ratios
+                figures["mlp_cpu_per_step_s"] = cpu
+                figures["mlp_cpu_ratios"] = cpu_ratios
                 print(f"MLP inside hora.spark.run / hora run --gloo: median of pairs {statistics.median(ratios):.3f} "
-                      f"(pairs {', '.join(f'{r:.3f}' for r in ratios)})", flush=True)
+                      f"(pairs {', '.join(f'{r:.3f}' for r in ratios)}); by the ranks' CPU time per step (gloo's / "
+                      f"spark's): {statistics.median(cpu_ratios):.3f}", flush=True)
             if 3 in parts and args.rows > 0:
                 path = os.path.join(scratch, "data.parquet")
                 t = time.perf_counter()

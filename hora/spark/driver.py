@@ -29,6 +29,7 @@ from hora.errors import (
     HoraError,
     LaunchError,
     RankFailedError,
+    UnsupportedError,
     WorkerFailedError,
 )
 from hora.runner.output import prefix, write_bytes
@@ -124,7 +125,11 @@ def run(
         if num_proc is None:
             raise ConfigError("no Spark session is active, so there are no slots to count: give num_proc")
         return _run_local(command, payload_fn, args, kwargs, num_proc, start_timeout, env, nic_list, verbose, None)
-    sc = session.sparkContext
+    try:
+        sc = session.sparkContext
+    except Exception as e:  # Spark Connect sessions have no SparkContext
+        raise UnsupportedError("hora.spark.run needs a classic Spark session with a SparkContext; Spark Connect "
+                               "sessions cannot run barrier jobs from Python") from e
     master = sc.master or ""
     local = local_mode if local_mode is not None else (master.startswith("local") and
                                                        not master.startswith("local-cluster"))

@@ -90,7 +90,10 @@ def run_rank(job: TaskJob, batches: Iterable[Any] | None) -> int:
 
     ctx = BarrierTaskContext.get()
     partition = ctx.partitionId()
-    workdir = tempfile.mkdtemp(prefix="hora-spark-")
+    # Under the executor's own local directory (Spark hands it to its Python workers), which the executor
+    # deletes when it stops: the task's files go even when Spark kills this worker before the finally below.
+    local = (os.environ.get("SPARK_LOCAL_DIRS") or "").split(",")[0]
+    workdir = tempfile.mkdtemp(prefix="hora-spark-", dir=local if local and os.path.isdir(local) else None)
     try:
         rows = spill(batches, os.path.join(workdir, "data.arrow")) if batches is not None else 0
         host = ctx.getTaskInfos()[partition].address.rsplit(":", 1)[0]

