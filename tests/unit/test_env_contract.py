@@ -30,6 +30,7 @@ from hora.runner.launchers.mpi import mpirun_command
 from hora.runner.launchers.slurm import srun_command
 from hora.runner.launchers.ssh import host_env
 from hora.runner.plan import plan_slots
+from hora.spark import plan as spark_plan
 
 ENDPOINTS = Endpoints(addr="10.0.0.1", port=29500, ps_port=29501)
 BASE = {"PATH": os.environ.get("PATH", "/usr/bin"), "OMP_NUM_THREADS": "1"}
@@ -226,6 +227,31 @@ def test_ray_actors_read_their_place_and_the_job():
         assert worker.env[envvars.OMP_NUM_THREADS] == "2"
         worker.assert_reads_every_hora_variable()
         seen.append((info.node_ip, *worker.placement()))
+    assert sorted(seen) == [("10.0.0.1", 0, 4, 0, 2, 0, 2), ("10.0.0.1", 1, 4, 1, 2, 0, 2),
+                            ("10.0.0.2", 2, 4, 0, 2, 1, 2), ("10.0.0.2", 3, 4, 1, 2, 1, 2)]
+
+
+def test_spark_tasks_read_their_place_and_the_job():
+    """hora.spark: ranks from the barrier tasks' reports (two hosts, partitions interleaved), rank 0's task's
+    address as the rendezvous, the job's env as gloo, built once on the driver."""
+    infos = [spark_plan.TaskInfo(partition=p, host=host, addr=host, port=29500 + p)
+             for p, host in enumerate(("10.0.0.2", "10.0.0.1", "10.0.0.2", "10.0.0.1"))]
+    slots = spark_plan.plan_ranks(infos)
+    job = spark_plan.job_env(num_proc=4, start_timeout=12, nics=("eth7",), env={"OMP_NUM_THREADS": "2"})
+    at = spark_plan.rendezvous(infos, slots)
+    assert at == ("10.0.0.1", 29501)
+    seen = []
+    for info, slot in zip(infos, slots, strict=True):
+        worker = Worker({**BASE, **spark_plan.rank_env(job, slot, at, None)})
+        assert set(envvars.WORKER_ENV) <= set(worker.env)
+        assert worker.placement() == placement(slot)
+        assert worker.topology.launcher == "hora" and worker.topology.hostname == info.host
+        assert (worker.rendezvous.addr, worker.rendezvous.port) == at
+        assert worker.rendezvous.secret == job[envvars.HORA_SECRET] and worker.rendezvous.interface == "eth7"
+        assert worker.engine.controller == "gloo" and worker.engine.start_timeout_seconds == 12
+        assert worker.env[envvars.OMP_NUM_THREADS] == "2"
+        worker.assert_reads_every_hora_variable()
+        seen.append((info.host, *worker.placement()))
     assert sorted(seen) == [("10.0.0.1", 0, 4, 0, 2, 0, 2), ("10.0.0.1", 1, 4, 1, 2, 0, 2),
                             ("10.0.0.2", 2, 4, 0, 2, 1, 2), ("10.0.0.2", 3, 4, 1, 2, 1, 2)]
 

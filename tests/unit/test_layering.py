@@ -136,7 +136,7 @@ def test_importing_the_framework_neutral_layers_imports_no_framework():
 
     code = (
         "import importlib, pkgutil, sys\n"
-        "import hora.core, hora.config, hora.errors, hora.envvars, hora.runner, hora.testing, hora.ray\n"
+        "import hora.core, hora.config, hora.errors, hora.envvars, hora.runner, hora.testing, hora.ray, hora.spark\n"
         "for m in pkgutil.walk_packages(hora.runner.__path__, 'hora.runner.'):\n"
         "    importlib.import_module(m.name)\n"
         f"print(sorted(f for f in {FRAMEWORKS!r} if f in sys.modules))\n"
