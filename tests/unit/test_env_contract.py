@@ -207,6 +207,18 @@ def test_srun_exports_everything_and_slurm_variables_place_the_ranks():
         worker.assert_reads_every_hora_variable()
 
 
+def _check_gloo_actor(worker: Worker, slot: Slot, host: str, at: tuple[str, int], secret: str) -> None:
+    """A rank of hora.ray or hora.spark (set up with eth7, a 12 s start timeout and 2 threads) reads its job."""
+    assert set(envvars.WORKER_ENV) <= set(worker.env)
+    assert worker.placement() == placement(slot)
+    assert worker.topology.launcher == "hora" and worker.topology.hostname == host
+    assert (worker.rendezvous.addr, worker.rendezvous.port) == at
+    assert worker.rendezvous.secret == secret and worker.rendezvous.interface == "eth7"
+    assert worker.engine.controller == "gloo" and worker.engine.start_timeout_seconds == 12
+    assert worker.env[envvars.OMP_NUM_THREADS] == "2"
+    worker.assert_reads_every_hora_variable()
+
+
 def test_ray_actors_read_their_place_and_the_job():
     """hora.ray: ranks from where Ray placed the actors (two nodes, created interleaved), the job's env as gloo."""
     infos = [ray_plan.ActorInfo(node_id=node, node_ip=ip, hostname=node, pid=1)
@@ -218,14 +230,7 @@ def test_ray_actors_read_their_place_and_the_job():
     seen = []
     for info, slot in zip(infos, slots, strict=True):
         worker = Worker({**env, **slot.env()})
-        assert set(envvars.WORKER_ENV) <= set(worker.env)
-        assert worker.placement() == placement(slot)
-        assert worker.topology.launcher == "hora" and worker.topology.hostname == info.node_ip
-        assert (worker.rendezvous.addr, worker.rendezvous.port) == ("10.0.0.1", 29500)
-        assert worker.rendezvous.secret == env[envvars.HORA_SECRET] and worker.rendezvous.interface == "eth7"
-        assert worker.engine.controller == "gloo" and worker.engine.start_timeout_seconds == 12
-        assert worker.env[envvars.OMP_NUM_THREADS] == "2"
-        worker.assert_reads_every_hora_variable()
+        _check_gloo_actor(worker, slot, info.node_ip, ("10.0.0.1", 29500), env[envvars.HORA_SECRET])
         seen.append((info.node_ip, *worker.placement()))
     assert sorted(seen) == [("10.0.0.1", 0, 4, 0, 2, 0, 2), ("10.0.0.1", 1, 4, 1, 2, 0, 2),
                             ("10.0.0.2", 2, 4, 0, 2, 1, 2), ("10.0.0.2", 3, 4, 1, 2, 1, 2)]
@@ -243,14 +248,7 @@ def test_spark_tasks_read_their_place_and_the_job():
     seen = []
     for info, slot in zip(infos, slots, strict=True):
         worker = Worker({**BASE, **spark_plan.rank_env(job, slot, at, None)})
-        assert set(envvars.WORKER_ENV) <= set(worker.env)
-        assert worker.placement() == placement(slot)
-        assert worker.topology.launcher == "hora" and worker.topology.hostname == info.host
-        assert (worker.rendezvous.addr, worker.rendezvous.port) == at
-        assert worker.rendezvous.secret == job[envvars.HORA_SECRET] and worker.rendezvous.interface == "eth7"
-        assert worker.engine.controller == "gloo" and worker.engine.start_timeout_seconds == 12
-        assert worker.env[envvars.OMP_NUM_THREADS] == "2"
-        worker.assert_reads_every_hora_variable()
+        _check_gloo_actor(worker, slot, info.host, at, job[envvars.HORA_SECRET])
         seen.append((info.host, *worker.placement()))
     assert sorted(seen) == [("10.0.0.1", 0, 4, 0, 2, 0, 2), ("10.0.0.1", 1, 4, 1, 2, 0, 2),
                             ("10.0.0.2", 2, 4, 0, 2, 1, 2), ("10.0.0.2", 3, 4, 1, 2, 1, 2)]
