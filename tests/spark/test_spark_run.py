@@ -157,6 +157,17 @@ def test_more_ranks_than_slots_fails_in_seconds_naming_both(spark):
     assert time.monotonic() - started < 10
 
 
+@pytest.mark.timeout(180)
+def test_a_task_failing_before_its_rank_starts_gives_the_task_python_error(spark):
+    # the executors have no such interface: the tasks fail in their set-up, before any rank reports
+    from hora.errors import LaunchError
+
+    started = time.monotonic()
+    with pytest.raises(LaunchError, match="before any rank reported.*'nosuchnic0' does not exist here"):
+        hora.spark.run(_torch_ranks, args=(0,), num_proc=2, nics=["nosuchnic0"])
+    assert time.monotonic() - started < 120
+
+
 def _fails_once(marker):
     import os
 
