@@ -106,6 +106,26 @@ class WorkerFailedError(LaunchError):
         return (type(self), (self.rank, self.exitcode, self.host, self.stderr_tail))
 
 
+class RankFailedError(WorkerFailedError):
+    """A rank of a :func:`hora.spark.run` job raised or died; the job was cancelled.
+
+    Besides :class:`WorkerFailedError`'s fields, ``traceback`` holds the
+    rank's own Python traceback (empty when it died without one), which the
+    message shows; the rank's exception, when it could be sent, is the ``__cause__``.
+    """
+
+    def __init__(self, rank: int, exitcode: int, host: str = "localhost", stderr_tail: str = "",
+                 traceback: str = "") -> None:
+        super().__init__(rank, exitcode, host, stderr_tail)
+        self.traceback = traceback
+        detail = f"; its traceback:\n{traceback}" if traceback else (
+            f"; its last lines of stderr:\n{stderr_tail}" if stderr_tail else "")
+        self.args = (f"rank {rank} on {host} exited with code {exitcode}; the Spark job was cancelled{detail}",)
+
+    def __reduce__(self):
+        return (type(self), (self.rank, self.exitcode, self.host, self.stderr_tail, self.traceback))
+
+
 class ActorFailedError(LaunchError):
     """A worker actor of :class:`hora.ray.RayExecutor` raised or died; the executor has torn the job down.
 

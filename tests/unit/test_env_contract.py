@@ -31,6 +31,7 @@ from hora.runner.launchers.mpi import mpirun_command
 from hora.runner.launchers.slurm import srun_command
 from hora.runner.launchers.ssh import host_env
 from hora.runner.plan import plan_slots
+from hora.spark import plan as spark_plan
 
 ENDPOINTS = Endpoints(addr="10.0.0.1", port=29500, ps_port=29501)
 BASE = {"PATH": os.environ.get("PATH", "/usr/bin"), "OMP_NUM_THREADS": "1"}
@@ -241,6 +242,18 @@ def test_srun_exports_everything_and_slurm_variables_place_the_ranks():
         worker.assert_reads_every_hora_variable()
 
 
+def _check_gloo_actor(worker: Worker, slot: Slot, host: str, at: tuple[str, int], secret: str) -> None:
+    """A rank of hora.ray or hora.spark (set up with eth7, a 12 s start timeout and 2 threads) reads its job."""
+    assert set(envvars.WORKER_ENV) <= set(worker.env)
+    assert worker.placement() == placement(slot)
+    assert worker.topology.launcher == "hora" and worker.topology.host == host
+    assert (worker.rendezvous.addr, worker.rendezvous.port) == at
+    assert worker.rendezvous.secret == secret and worker.rendezvous.interface == "eth7"
+    assert worker.engine.controller == "gloo" and worker.engine.start_timeout_seconds == 12
+    assert worker.env[envvars.OMP_NUM_THREADS] == "2"
+    worker.assert_reads_every_hora_variable()
+
+
 def test_ray_actors_read_their_place_and_the_job():
     """hora.ray: ranks from where Ray placed the actors (two nodes, created interleaved), the job's env as gloo."""
     infos = [ray_plan.ActorInfo(node_id=node, node_ip=ip, hostname=node, pid=1)
@@ -252,15 +265,26 @@ def test_ray_actors_read_their_place_and_the_job():
     seen = []
     for info, slot in zip(infos, slots, strict=True):
         worker = Worker({**env, **slot.env()})
-        assert set(envvars.WORKER_ENV) <= set(worker.env)
-        assert worker.placement() == placement(slot)
-        assert worker.topology.launcher == "hora" and worker.topology.host == info.node_ip
-        assert (worker.rendezvous.addr, worker.rendezvous.port) == ("10.0.0.1", 29500)
-        assert worker.rendezvous.secret == env[envvars.HORA_SECRET] and worker.rendezvous.interface == "eth7"
-        assert worker.engine.controller == "gloo" and worker.engine.start_timeout_seconds == 12
-        assert worker.env[envvars.OMP_NUM_THREADS] == "2"
-        worker.assert_reads_every_hora_variable()
+        _check_gloo_actor(worker, slot, info.node_ip, ("10.0.0.1", 29500), env[envvars.HORA_SECRET])
         seen.append((info.node_ip, *worker.placement()))
+    assert sorted(seen) == [("10.0.0.1", 0, 4, 0, 2, 0, 2), ("10.0.0.1", 1, 4, 1, 2, 0, 2),
+                            ("10.0.0.2", 2, 4, 0, 2, 1, 2), ("10.0.0.2", 3, 4, 1, 2, 1, 2)]
+
+
+def test_spark_tasks_read_their_place_and_the_job():
+    """hora.spark: ranks from the barrier tasks' reports (two hosts, partitions interleaved), rank 0's task's
+    address as the rendezvous, the job's env as gloo, built once on the driver."""
+    infos = [spark_plan.TaskInfo(partition=p, host=host, addr=host, port=29500 + p)
+             for p, host in enumerate(("10.0.0.2", "10.0.0.1", "10.0.0.2", "10.0.0.1"))]
+    slots = spark_plan.plan_ranks(infos)
+    job = spark_plan.job_env(num_proc=4, start_timeout=12, nics=("eth7",), env={"OMP_NUM_THREADS": "2"})
+    at = spark_plan.rendezvous(infos, slots)
+    assert at == ("10.0.0.1", 29501)
+    seen = []
+    for info, slot in zip(infos, slots, strict=True):
+        worker = Worker({**BASE, **spark_plan.rank_env(job, slot, at, None)})
+        _check_gloo_actor(worker, slot, info.host, at, job[envvars.HORA_SECRET])
+        seen.append((info.host, *worker.placement()))
     assert sorted(seen) == [("10.0.0.1", 0, 4, 0, 2, 0, 2), ("10.0.0.1", 1, 4, 1, 2, 0, 2),
                             ("10.0.0.2", 2, 4, 0, 2, 1, 2), ("10.0.0.2", 3, 4, 1, 2, 1, 2)]
 

@@ -54,6 +54,15 @@ for _below in ("hora/core", "hora/kvstore", "hora/torch", "hora/tensorflow", "ho
     FORBIDDEN[_below] = (*FORBIDDEN[_below], "hora.ray")
 NO_FRAMEWORK_AT_IMPORT = (*NO_FRAMEWORK_AT_IMPORT, "hora/ray")
 
+# hora.spark sits on the runner beside hora.ray: it imports no binding and no framework at import time, but for
+# torch_data.py, the torch Dataset a rank imports only when it asks for one; nothing below (nor hora.ray) imports it.
+FORBIDDEN["hora/spark"] = (*_BINDINGS, "hora.kvstore", "hora.ray", *_COMMANDS)
+for _below in ("hora/core", "hora/kvstore", "hora/torch", "hora/tensorflow", "hora/mxnet", "hora/keras", "hora/_keras",
+               "hora/runner", "hora/testing", "hora/errors.py", "hora/envvars.py", "hora/config.py", "hora/ray"):
+    FORBIDDEN[_below] = (*FORBIDDEN[_below], "hora.spark")
+NO_FRAMEWORK_AT_IMPORT = (*NO_FRAMEWORK_AT_IMPORT, *(f"hora/spark/{f.name}" for f in sorted(PKG.glob("spark/*.py"))
+                                                     if f.name != "torch_data.py"))
+
 
 def _imports(path: Path) -> list[str]:
     tree = ast.parse(path.read_text())
@@ -138,7 +147,7 @@ def test_importing_the_framework_neutral_layers_imports_no_framework():
 
     code = (
         "import importlib, pkgutil, sys\n"
-        "import hora.core, hora.config, hora.errors, hora.envvars, hora.runner, hora.testing, hora.ray\n"
+        "import hora.core, hora.config, hora.errors, hora.envvars, hora.runner, hora.testing, hora.ray, hora.spark\n"
         "for m in pkgutil.walk_packages(hora.runner.__path__, 'hora.runner.'):\n"
         "    importlib.import_module(m.name)\n"
         f"print(sorted(f for f in {FRAMEWORKS!r} if f in sys.modules))\n"
@@ -184,7 +193,7 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-@pytest.mark.parametrize("target", ["hora/runner", "hora/ray", "hora/bench", "hora/testing"])
+@pytest.mark.parametrize("target", ["hora/runner", "hora/ray", "hora/spark", "hora/bench", "hora/testing"])
 def test_no_import_cycles_between_files(target):
     """Two files never import each other, directly or round a longer loop (function-level imports count)."""
     files = {_module_name(f): f for f in _files(target)}

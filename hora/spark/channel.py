@@ -1,0 +1,155 @@
+"""The line from each rank's Spark task back to the driver: its output lines and its outcome.
+
+The driver listens on a TCP port of its own address (``spark.driver.host``);
+each task connects once it knows its rank.  A message is a 4-byte length and
+a msgpack list.  The first one a task sends carries the job's token, compared
+in constant time: a connection that does not know it is closed unread.
+Spark's own path (a collected result) is not used for outcomes, so that the
+driver learns of a failing rank at once and cancels the job itself.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import queue
+import socket
+import struct
+import threading
+from typing import Any
+
+import msgpack
+
+log = logging.getLogger(__name__)
+
+_LENGTH = struct.Struct("!I")
+#: Largest message accepted: a rank's pickled return value travels in one.
+MAX_MESSAGE = 1 << 31
+HELLO, OUTPUT, OUTCOME = "hello", "out", "outcome"
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes | None:
+    chunks = bytearray()
+    while len(chunks) < size:
+        chunk = sock.recv(min(size - len(chunks), 1 << 20))
+        if not chunk:
+            return None
+        chunks += chunk
+    return bytes(chunks)
+
+
+def _recv(sock: socket.socket) -> list[Any] | None:
+    header = _recv_exact(sock, _LENGTH.size)
+    if header is None:
+        return None
+    (size,) = _LENGTH.unpack(header)
+    if size > MAX_MESSAGE:
+        return None
+    body = _recv_exact(sock, size)
+    return None if body is None else msgpack.unpackb(body, raw=False)
+
+
+def _send(sock: socket.socket, message: list[Any]) -> None:
+    body = msgpack.packb(message, use_bin_type=True)
+    sock.sendall(_LENGTH.pack(len(body)) + body)
+
+
+class DriverChannel:
+    """The driver's end: accepts the tasks' connections and queues what they send.
+
+    ``messages`` holds ``(kind, rank, ...)`` tuples in arrival order:
+    ``("out", rank, stream, line)`` and ``("outcome", rank, returncode, host, result, stderr_tail)``, and
+    ``("closed", rank)`` when a task's connection ends.
+    """
+
+    def __init__(self, address: str, token: str) -> None:
+        self.token = token
+        self.messages: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        self._server = socket.socket(family, socket.SOCK_STREAM)
+        self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._server.bind((address, 0))
+        self._server.listen(64)
+        self.address = address
+        self.port = self._server.getsockname()[1]
+        self._closed = False
+        self._connections: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, name="hora-spark-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._connections.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="hora-spark-rank", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        rank = None
+        try:
+            hello = _recv(conn)
+            if (not hello or hello[0] != HELLO or not isinstance(hello[1], str)
+                    or not hmac.compare_digest(hello[1].encode(), self.token.encode())):
+                log.warning("hora.spark: a connection without the job's token was refused")
+                return
+            rank = int(hello[2])
+            while True:
+                message = _recv(conn)
+                if message is None:
+                    break
+                self.messages.put((message[0], rank, *message[1:]))
+        except (OSError, ValueError, msgpack.UnpackException) as e:
+            log.debug("hora.spark: the connection of rank %s ended: %s", rank, e)
+        finally:
+            conn.close()
+            if rank is not None:
+                self.messages.put(("closed", rank))
+
+    def close(self) -> None:
+        """Stop listening and drop every connection; safe to call twice."""
+        with self._lock:
+            self._closed = True
+            connections, self._connections = self._connections, []
+        try:
+            self._server.close()
+        except OSError:
+            pass
+        for conn in connections:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            conn.close()
+
+
+class TaskChannel:
+    """A task's end: connects to the driver and sends its rank's lines and outcome (thread-safe)."""
+
+    def __init__(self, address: str, port: int, token: str, rank: int, timeout: float = 30.0) -> None:
+        self._sock = socket.create_connection((address, port), timeout=timeout)
+        self._sock.settimeout(None)
+        self._lock = threading.Lock()
+        _send(self._sock, [HELLO, token, rank])
+
+    def output(self, stream: str, line: bytes) -> None:
+        """Send one line the rank wrote to ``stream`` (``stdout`` or ``stderr``)."""
+        with self._lock:
+            _send(self._sock, [OUTPUT, stream, line])
+
+    def outcome(self, returncode: int, host: str, result: bytes, stderr_tail: list[str]) -> None:
+        """Send how the rank ended: its exit code, host, ``hora.runner.run_task`` result file and stderr tail."""
+        with self._lock:
+            _send(self._sock, [OUTCOME, returncode, host, result, stderr_tail])
+
+    def close(self) -> None:
+        """Close the connection."""
+        try:
+            self._sock.close()
+        except OSError:
+            pass

@@ -1,0 +1,122 @@
+"""What the Spark tests share: why they skip, and a Spark session that leaves no JVM behind.
+
+The tests skip, saying why, when pyspark or a Java 17+ runtime is missing
+(``./dev setup`` installs both: pyspark, and Debian's openjdk-17-jre-headless when no java is on PATH).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: Small on purpose: two executors of one core each share a 2-core machine with the driver.
+SESSION_CONF = {
+    "spark.executor.memory": "512m",
+    "spark.driver.memory": "512m",
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.sql.shuffle.partitions": "2",
+    "spark.executorEnv.PYTHONPATH": str(ROOT),
+    # stall warnings in 10 s instead of 60, so a rank that waits on a dead peer says so soon
+    "spark.executorEnv.HORA_STALL_CHECK_TIME_SECONDS": "10",
+}
+
+
+def _java_version(java: str) -> int | None:
+    try:
+        out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r'version "(\d+)(?:\.(\d+))?', out.stderr + out.stdout)
+    if not match:
+        return None
+    major = int(match.group(1))
+    return int(match.group(2) or 0) if major == 1 else major
+
+
+def java_skip_reason() -> str | None:
+    """Why the Spark tests cannot run here, or None; points JAVA_HOME at the first Java 17+ found."""
+    if importlib.util.find_spec("pyspark") is None:
+        return "pyspark is not installed: pip install 'hora[spark]' (./dev setup installs it)"
+    candidates = []
+    if os.environ.get("JAVA_HOME"):
+        candidates.append(os.path.join(os.environ["JAVA_HOME"], "bin", "java"))
+    if shutil.which("java"):
+        candidates.append(shutil.which("java"))
+    for java in candidates:
+        version = _java_version(java)
+        if version is not None and version >= 17:
+            if not shutil.which("java") or os.path.realpath(shutil.which("java")) != os.path.realpath(java):
+                os.environ["JAVA_HOME"] = str(Path(java).parent.parent)
+            return None
+    return ("no Java 17+ runtime: Spark needs one (./dev setup installs openjdk-17-jre-headless with apt-get as "
+            "root; elsewhere install a JDK 17+ and put it on PATH or in JAVA_HOME)")
+
+
+def skip_without_spark() -> None:
+    """Skip the calling module when Spark cannot run here."""
+    reason = java_skip_reason()
+    if reason:
+        pytest.skip(reason, allow_module_level=True)
+
+
+def _stop_gateway() -> None:
+    """End the driver's JVM (pyspark keeps it for the life of the process otherwise)."""
+    from pyspark import SparkContext
+
+    gateway = SparkContext._gateway
+    if gateway is None:
+        return
+    with contextlib.suppress(Exception):
+        gateway.shutdown()
+    proc = getattr(gateway, "proc", None)
+    if proc is not None:
+        with contextlib.suppress(Exception):
+            proc.terminate()
+            proc.wait(timeout=20)
+    SparkContext._gateway = None
+    SparkContext._jvm = None
+
+
+@contextlib.contextmanager
+def spark_session(master: str, **conf: str) -> Iterator[object]:
+    """A SparkSession on ``master``; at exit it is stopped, its driver JVM ended and its work files removed."""
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.master(master).appName("hora-tests")
+    for key, value in {**SESSION_CONF, **conf}.items():
+        builder = builder.config(key, value)
+    session = builder.getOrCreate()
+    app = session.sparkContext.applicationId
+    try:
+        session.sparkContext.setLogLevel("ERROR")
+        yield session
+    finally:
+        session.stop()
+        _stop_gateway()
+        import pyspark
+
+        # local-cluster executors write their logs under SPARK_HOME/work/<app>
+        shutil.rmtree(os.path.join(os.path.dirname(pyspark.__file__), "work", app), ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.join(os.path.dirname(pyspark.__file__), "work"))
+
+
+@pytest.fixture(autouse=True)
+def _functions_by_value(request):
+    """The ranks cannot import test modules: ship a test module's functions by value."""
+    cloudpickle = pytest.importorskip("cloudpickle")
+    cloudpickle.register_pickle_by_value(request.module)
+    yield
+    with contextlib.suppress(ValueError):
+        cloudpickle.unregister_pickle_by_value(request.module)
