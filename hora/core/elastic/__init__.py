@@ -22,11 +22,12 @@ The exceptions are :class:`hora.errors.InternalError` (Horovod's
 from __future__ import annotations
 
 from hora.core.elastic.loop import run_fn
+from hora.core.elastic.notifications import HostUpdateResult
 from hora.core.elastic.state import ObjectState, State
 from hora.core.elastic.worker import WorkerRetired
 from hora.errors import HostsUpdatedInterrupt, InternalError
 
 HorovodInternalError = InternalError
 
-__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "InternalError", "ObjectState", "State", "WorkerRetired",
-           "run_fn"]
+__all__ = ["HorovodInternalError", "HostUpdateResult", "HostsUpdatedInterrupt", "InternalError", "ObjectState", "State",
+           "WorkerRetired", "run_fn"]

@@ -14,8 +14,12 @@ The driver owns three things:
   the order the workers were started in (so rank 0 is always a worker that
   has the committed state), each worker gets its rank, size, local and cross
   placement, and the address of the store that the round's rank 0 hosts.
-  A ``poll`` (rank 0's ``State.commit()``) learns whether anything happened
-  since its round: then every rank raises ``HostsUpdatedInterrupt``.
+  Everything that breaks the current round (hosts added or removed, a
+  worker lost) is an **event**: a timestamp and whether workers were added
+  or removed.  A worker's ``watch`` waits (a long poll) for the events of
+  its round after the last one it saw; they fill its ``State``'s queue of
+  host messages, and the next ``commit()`` raises ``HostsUpdatedInterrupt``
+  on every rank.
 
 The job fails, with a message naming the flag, when fewer than ``--min-np``
 workers can run for longer than ``--elastic-timeout``, when every host is
@@ -57,6 +61,8 @@ RETIRE_GRACE_SECONDS = 10.0
 MAX_UNAUTHENTICATED = 64
 #: Seconds a new connection has to send its first (authenticated) frame.
 FIRST_FRAME_SECONDS = 5.0
+#: Longest a ``watch`` waits for an event before answering with none (the worker then asks again).
+WATCH_SECONDS = 10.0
 
 
 class Discovery(Protocol):
@@ -95,6 +101,16 @@ class Worker:
     retired: bool = False
     retired_at: float | None = None
     returncode: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Event:
+    """Something that breaks the round it happened in: workers removed or added (``elastic_wire`` bits)."""
+
+    seq: int
+    timestamp: float
+    update: int
+    round: int
 
 
 @dataclasses.dataclass(slots=True)
@@ -161,10 +177,13 @@ class ElasticDriver:
         self.workers: dict[int, Worker] = {}
         self.round = 0
         self.members: list[int] = []
-        self.news = False
+        self.events: list[Event] = []
+        self._event_count = 0  # events are numbered across rounds, so a watcher's "after" stays meaningful
+        self._last_timestamp = 0.0
         self.finishing = False
         self.failures: list[RankExit] = []
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # an event, a new round, or the driver closing
         self._waiting: dict[int, _Join] = {}
         self._requests: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._next_seq = 0
@@ -220,12 +239,12 @@ class ElasticDriver:
             seq = int(str(message.get("worker", "")).rpartition("-")[2])
         except ValueError:
             seq = -1
-        if op == "poll":
+        if op == "watch":
             try:
-                with self._lock:
-                    updated = self.news or int(message.get("round", 0)) < self.round
-                channel.send({"updated": updated})
-            except OSError:
+                round_, after = int(message.get("round", 0)), int(message.get("after", -1))
+                events = self._wait_for_events(round_, after, WATCH_SECONDS)
+                channel.send({"events": [[e.seq, e.timestamp, e.update] for e in events]})
+            except (OSError, TypeError, ValueError):
                 pass
             channel.close()
         elif op == "join":
@@ -237,6 +256,27 @@ class ElasticDriver:
             self._requests.put(("join", (seq, join)))
         else:
             channel.close()
+
+    def _note(self, update: int) -> None:
+        """Record an event of the current round and wake the watchers."""
+        with self._changed:
+            # Strictly increasing, so that every event is newer than the one a worker saw last.
+            self._last_timestamp = max(time.time(), self._last_timestamp + 1e-6)
+            self.events.append(Event(self._event_count, self._last_timestamp, update, self.round))
+            self._event_count += 1
+            self._changed.notify_all()
+
+    def _wait_for_events(self, round_: int, after: int, timeout: float) -> list[Event]:
+        """The events of ``round_`` after event ``after``: at once if there are some, else when one happens,
+        the round changes or ``timeout`` passes (then none)."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                events = [e for e in self.events if e.round == round_ and e.seq > after]
+                remaining = deadline - time.monotonic()
+                if events or self.round != round_ or self._closed.is_set() or remaining <= 0:
+                    return events
+                self._changed.wait(remaining)
 
     # ------------------------------------------------------------- the loop
     def run(self) -> JobResult:
@@ -303,9 +343,8 @@ class ElasticDriver:
             join = self._waiting.pop(seq, None)
             if join is not None:
                 join.channel.close()
-            with self._lock:
-                if seq in self.members:
-                    self.news = True
+            if seq in self.members:
+                self._note(elastic_wire.HOSTS_REMOVED)
             if worker.retired:
                 log.info("retired worker %d on %s %s", seq, worker.host, describe_returncode(code))
             elif code == 0:
@@ -330,9 +369,8 @@ class ElasticDriver:
                 reason = "the job is finishing" if self.finishing else "its host left the job"
                 self._reply(join, {"stop": reason})
                 continue
-            with self._lock:
-                if join.after >= self.round and seq in self.members:
-                    self.news = True  # a member of the current round left it: the ring is broken
+            if join.after >= self.round and seq in self.members:
+                self._note(elastic_wire.HOSTS_REMOVED)  # a member of the current round left it: the ring is broken
             old = self._waiting.pop(seq, None)
             if old is not None:
                 old.channel.close()
@@ -351,8 +389,7 @@ class ElasticDriver:
         for w in self._eligible():
             if w.host not in available:
                 w.retired, w.retired_at = True, now
-                with self._lock:
-                    self.news = True
+                self._note(elastic_wire.HOSTS_REMOVED)
                 join = self._waiting.pop(w.seq, None)
                 if join is not None:
                     self._reply(join, {"stop": "its host left the job"})
@@ -375,9 +412,8 @@ class ElasticDriver:
                 per_host[host] += 1
         if started:
             self._started = True
-            with self._lock:
-                if self.round > 0:
-                    self.news = True
+            if self.round > 0:
+                self._note(elastic_wire.HOSTS_ADDED)
 
     def _start(self, host: str, provisional_rank: int) -> Worker:
         seq = self._next_seq
@@ -431,10 +467,12 @@ class ElasticDriver:
             # address towards them, which rank 0's store then listens on.
             stores[members[0].seq] = (self.advertise(remote), port)
         placement = assign(members, stores, round_)
-        with self._lock:
+        with self._changed:
             self.round = round_
             self.members = [w.seq for w in members]
-            self.news = False
+            # Events of rounds before the previous one can no longer be asked for.
+            self.events = [e for e in self.events if e.round >= round_ - 1]
+            self._changed.notify_all()
         log.info("round %d: %d workers on %s", round_, len(members),
                  ",".join(dict.fromkeys(w.host for w in members)))
         for w in members:
@@ -489,6 +527,8 @@ class ElasticDriver:
     def close(self) -> None:
         """Stop listening and drop waiting connections."""
         self._closed.set()
+        with self._changed:
+            self._changed.notify_all()
         try:
             self._server.close()
         except OSError:
