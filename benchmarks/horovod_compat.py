@@ -13,6 +13,7 @@ and writes, under ``--out``, outside this repository:
   written here: ``_run_elastic(args)`` runs the same command line with
   ``hora run`` in place of ``horovodrun``, and raises ``RuntimeError`` when
   the job fails, as Horovod's Python launcher does;
+* ``bin/discover-localhost2.sh``: the elastic examples' host discovery;
 * ``shim/sitecustomize.py``: two workarounds for this machine's packages,
   not for hora (PyPI's torchvision is the CUDA build; Keras checks a
   downloaded file's hash, which offline data cannot match);
@@ -296,6 +297,10 @@ def prepare(horovod: Path, out: Path, ranks: int) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text.format(failure_message=failure_message(horovod)) if rel.endswith("launch.py")
                         else text)
+    discover = out / "bin" / "discover-localhost2.sh"  # the elastic examples' host discovery
+    discover.parent.mkdir(exist_ok=True)
+    discover.write_text("#!/bin/sh\necho localhost:2\n")
+    discover.chmod(0o755)
     shim = out / "shim"
     shim.mkdir(exist_ok=True)
     (shim / "sitecustomize.py").write_text(SITECUSTOMIZE)
