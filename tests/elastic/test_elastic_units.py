@@ -381,30 +381,30 @@ def _worker_config(driver):
     return ElasticConfig(driver_addr="127.0.0.1", driver_port=driver.port, worker_id="h-0", secret="job-secret")
 
 
-def test_driver_watch_answers_with_the_round_s_events_as_they_happen(driver, monkeypatch):
+def test_driver_answers_events_requests_as_the_round_s_events_happen(driver, monkeypatch):
     import time
 
     from hora.core.elastic import worker
     from hora.runner.elastic import driver as driver_module
 
-    monkeypatch.setattr(driver_module, "WATCH_SECONDS", 0.5)
+    monkeypatch.setattr(driver_module, "EVENTS_WAIT_SECONDS", 0.5)
     config = _worker_config(driver)
     t0 = time.monotonic()
-    assert worker.watch(config, 0, -1, timeout=5) == []  # nothing happened: answered empty at the driver's limit
+    assert worker.host_events(config, 0, -1, timeout=5) == []  # nothing happened: answered empty at the driver's limit
     assert 0.4 < time.monotonic() - t0 < 4
-    monkeypatch.setattr(driver_module, "WATCH_SECONDS", 20.0)
+    monkeypatch.setattr(driver_module, "EVENTS_WAIT_SECONDS", 20.0)
     timer = threading.Timer(0.3, driver._note, args=(elastic_wire.HOSTS_ADDED,))
     timer.start()
     t0 = time.monotonic()
-    events = worker.watch(config, 0, -1, timeout=30)  # waits for the event, answered as it happens
+    events = worker.host_events(config, 0, -1, timeout=30)  # waits for the event, answered as it happens
     assert time.monotonic() - t0 < 5
     assert [(seq, update) for seq, _, update in events] == [(0, elastic_wire.HOSTS_ADDED)]
     driver._note(elastic_wire.HOSTS_REMOVED)
-    later = worker.watch(config, 0, 0, timeout=5)  # only what came after the event already seen
+    later = worker.host_events(config, 0, 0, timeout=5)  # only what came after the event already seen
     assert [(seq, update) for seq, _, update in later] == [(1, elastic_wire.HOSTS_REMOVED)]
     assert later[0][1] > events[0][1]  # timestamps increase
-    monkeypatch.setattr(driver_module, "WATCH_SECONDS", 0.2)
-    assert worker.watch(config, 5, -1, timeout=5) == []  # another round's events are not this round's
+    monkeypatch.setattr(driver_module, "EVENTS_WAIT_SECONDS", 0.2)
+    assert worker.host_events(config, 5, -1, timeout=5) == []  # another round's events are not this round's
 
 
 def test_driver_drops_a_join_with_the_wrong_secret(driver):

@@ -12,7 +12,7 @@ executor or another framework can too):
   :func:`~hora.core.elastic.worker.rendezvous` from
   :func:`hora.core.start_engine`, so the binding's ``init()`` needs no change.
   Another launcher can drive workers the same way by speaking
-  :mod:`hora.elastic_wire` (``join`` and ``watch``, see
+  :mod:`hora.elastic_wire` (``join`` and ``events``, see
   :mod:`hora.runner.elastic.driver`).
 
 The exceptions are :class:`hora.errors.InternalError` (Horovod's

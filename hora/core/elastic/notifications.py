@@ -4,7 +4,7 @@ Horovod's driver calls into its workers when hosts change, and each
 worker's ``State`` queues ``(timestamp, HostUpdateResult)``; ``commit()``
 then raises ``HostsUpdatedInterrupt`` when a message is newer than the last
 one acted on.  Here a worker has no server: one daemon thread per process
-keeps a long poll (:func:`hora.core.elastic.worker.watch`) open to the driver
+keeps a long poll (:func:`hora.core.elastic.worker.host_events`) open to the driver
 for the round the process runs in, and hands each event to the states that
 :func:`hora.core.elastic.run_fn` registered, through ``on_hosts_updated``.
 Outside elastic jobs nothing is started.
@@ -24,7 +24,7 @@ from hora.config import ElasticConfig
 log = logging.getLogger(__name__)
 
 #: How long one long poll may wait; the driver answers sooner (its own limit is shorter).
-WATCH_TIMEOUT_SECONDS = 30.0
+EVENTS_TIMEOUT_SECONDS = 30.0
 
 
 class HostUpdateResult(enum.IntFlag):
@@ -79,7 +79,7 @@ class Notifier:
                 time.sleep(0.1)
                 continue
             try:
-                events = worker.watch(config, assignment.round, self._after, WATCH_TIMEOUT_SECONDS)
+                events = worker.host_events(config, assignment.round, self._after, EVENTS_TIMEOUT_SECONDS)
             except (elastic_wire.WireError, OSError) as e:
                 log.debug("watching the elastic driver for host updates failed (%s); trying again", e)
                 time.sleep(1.0)

@@ -11,7 +11,7 @@ connect into a newer ring.  The driver may instead answer that this worker
 is no longer needed (its host was removed or blacklisted, or the job has
 finished): :class:`WorkerRetired`.
 
-:func:`watch` waits for the driver's events of the round this worker
+:func:`host_events` waits for the driver's events of the round this worker
 runs in (hosts added or removed, a worker lost): the notifier of
 :mod:`hora.core.elastic.notifications` keeps one such long poll open and
 hands the events to the registered states.  Every message is authenticated
@@ -120,7 +120,7 @@ def rendezvous(config: ElasticConfig, env: Mapping[str, str]) -> dict[str, str]:
     return {**env, **a.env()}
 
 
-def watch(config: ElasticConfig, round_: int, after: int, timeout: float) -> list[tuple[int, float, int]]:
+def host_events(config: ElasticConfig, round_: int, after: int, timeout: float) -> list[tuple[int, float, int]]:
     """The driver's events of round ``round_`` numbered after ``after``, as ``(seq, timestamp, update)``.
 
     The driver answers as soon as there is one, or with none after at most
@@ -133,7 +133,7 @@ def watch(config: ElasticConfig, round_: int, after: int, timeout: float) -> lis
     channel = elastic_wire.connect(str(config.driver_addr), int(config.driver_port or 0), str(config.secret),
                                    timeout=30.0)
     try:
-        channel.send({"op": "watch", "worker": config.worker_id, "round": round_, "after": after})
+        channel.send({"op": "events", "worker": config.worker_id, "round": round_, "after": after})
         channel.sock.settimeout(timeout + 30.0)
         reply = channel.recv()
     finally:

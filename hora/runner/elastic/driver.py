@@ -16,7 +16,7 @@ The driver owns three things:
   placement, and the address of the store that the round's rank 0 hosts.
   Everything that breaks the current round (hosts added or removed, a
   worker lost) is an **event**: a timestamp and whether workers were added
-  or removed.  A worker's ``watch`` waits (a long poll) for the events of
+  or removed.  A worker's ``events`` request waits (a long poll) for the events of
   its round after the last one it saw; they fill its ``State``'s queue of
   host messages, and the next ``commit()`` raises ``HostsUpdatedInterrupt``
   on every rank.
@@ -61,8 +61,8 @@ RETIRE_GRACE_SECONDS = 10.0
 MAX_UNAUTHENTICATED = 64
 #: Seconds a new connection has to send its first (authenticated) frame.
 FIRST_FRAME_SECONDS = 5.0
-#: Longest a ``watch`` waits for an event before answering with none (the worker then asks again).
-WATCH_SECONDS = 10.0
+#: Longest an ``events`` request waits for an event before answering with none (the worker then asks again).
+EVENTS_WAIT_SECONDS = 10.0
 
 
 class Discovery(Protocol):
@@ -239,10 +239,10 @@ class ElasticDriver:
             seq = int(str(message.get("worker", "")).rpartition("-")[2])
         except ValueError:
             seq = -1
-        if op == "watch":
+        if op == "events":
             try:
                 round_, after = int(message.get("round", 0)), int(message.get("after", -1))
-                events = self._wait_for_events(round_, after, WATCH_SECONDS)
+                events = self._wait_for_events(round_, after, EVENTS_WAIT_SECONDS)
                 channel.send({"events": [[e.seq, e.timestamp, e.update] for e in events]})
             except (OSError, TypeError, ValueError):
                 pass
