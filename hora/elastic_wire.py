@@ -23,6 +23,10 @@ from typing import Any
 
 from hora.errors import AuthError, HoraError
 
+#: Bits of a host-update notification (the driver's ``watch`` answer; Horovod's ``HostUpdateResult`` values).
+HOSTS_REMOVED = 1
+HOSTS_ADDED = 2
+
 #: Largest frame body either side accepts.
 MAX_FRAME = 1 << 20
 NONCE_BYTES = 16

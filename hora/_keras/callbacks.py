@@ -21,7 +21,7 @@ from hora.core.frontend import warmup_multiplier
 from hora.core.ops import ReduceOp
 from hora.core.runtime import global_process_set
 
-from .numpy_collectives import allreduce_arrays, broadcast_variables, to_numpy, variables_of
+from .numpy_collectives import allreduce_arrays, broadcast_variables, is_built, to_numpy, variables_of
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +29,11 @@ log = logging.getLogger(__name__)
 class BroadcastGlobalVariablesMixin:
     """Broadcast the model's and the optimizer's variables from ``root_rank``.
 
-    At the start of training every rank gets the root's weights (so the
-    first step is already consistent), and after the first batch, when the
-    optimizer has created its state, the optimizer's variables as well.
+    After the first batch, when the optimizer has created its state (and a
+    model given no input shape its weights), every rank gets the root's
+    model and optimizer variables, as with Horovod.  A model that is already
+    built at the start of training gets the root's weights then too, so
+    that its first step is consistent as well.
     """
 
     def __init__(self, root_rank: int = 0, device: str = "", local_variables: Any = None, *args: Any,
@@ -55,7 +57,9 @@ class BroadcastGlobalVariablesMixin:
         broadcast_variables(variables, self.root_rank)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        self._broadcast(with_optimizer=False)
+        # Every rank runs the same model code, so all of them take the same branch here.
+        if is_built(self.model):
+            self._broadcast(with_optimizer=False)
 
     def on_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if self.broadcast_done:

@@ -19,7 +19,7 @@ from hora.core import runtime
 from hora.core.elastic import ObjectState
 from hora.core.objects import broadcast_object
 
-from .numpy_collectives import broadcast_variables, to_numpy, variables_of
+from .numpy_collectives import broadcast_variables, require_built, to_numpy, variables_of
 
 
 def _rank() -> int:
@@ -36,6 +36,7 @@ class KerasStateBase(ObjectState):
     """
 
     def __init__(self, model: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        require_built(model, "KerasState")  # its weights are what a commit saves (Horovod refuses it too)
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         self._saved_weights: list[np.ndarray] = []

@@ -10,6 +10,7 @@ import numpy as np
 from hora.core import collectives
 from hora.core.ops import CollectiveType, ReduceOp
 from hora.core.runtime import ProcessSet, global_process_set
+from hora.errors import ArgumentError
 
 
 def _contiguous(a: Any) -> np.ndarray:
@@ -61,6 +62,25 @@ def variables_of(obj: Any) -> list[Any]:
     return list(v() if callable(v) else v)
 
 
+def is_built(model: Any) -> bool:
+    """Whether ``model`` has created its weights (a model given no input shape is built by its first batch)."""
+    return bool(getattr(model, "built", True))
+
+
+def require_built(model: Any, what: str) -> None:
+    """Refuse ``what`` on a model whose weights do not exist yet, instead of acting on none of them.
+
+    Raises:
+        ArgumentError: the model is not built; the message says how to build it.
+    """
+    if not is_built(model):
+        raise ArgumentError(
+            f"{what}: model {getattr(model, 'name', model)!r} has no weights yet (a model given no input shape "
+            "creates them at its first batch); give it an input shape (keras.Input(...) as its first layer), call "
+            "model.build(input_shape), or train one batch first. In model.fit, "
+            "hvd.callbacks.BroadcastGlobalVariablesCallback broadcasts after the first batch by itself.")
+
+
 def broadcast_variables(variables: Sequence[Any], root_rank: int,
                         process_set: ProcessSet = global_process_set) -> None:
     """Overwrite Keras variables (any backend, eager) with the root's values, in one grouped broadcast."""
@@ -70,5 +90,5 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int,
         var.assign(value)
 
 
-__all__ = ["allgather_arrays", "allreduce_arrays", "broadcast_arrays", "broadcast_variables", "to_numpy",
-           "variables_of"]
+__all__ = ["allgather_arrays", "allreduce_arrays", "broadcast_arrays", "broadcast_variables", "is_built",
+           "require_built", "to_numpy", "variables_of"]

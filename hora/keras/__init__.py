@@ -15,7 +15,13 @@ from typing import Any
 import keras
 import numpy as np
 
-from hora._keras.numpy_collectives import allgather_arrays, allreduce_arrays, broadcast_arrays, variables_of
+from hora._keras.numpy_collectives import (
+    allgather_arrays,
+    allreduce_arrays,
+    broadcast_arrays,
+    require_built,
+    variables_of,
+)
 from hora._keras.numpy_collectives import broadcast_variables as _broadcast_variables
 from hora._keras.optimizer import load_model as _load_model
 from hora.core import runtime as _runtime
@@ -140,11 +146,12 @@ def broadcast_global_variables(root_rank: int, model: keras.Model | None = None)
     needed; in ``model.fit`` use ``callbacks.BroadcastGlobalVariablesCallback``.
 
     Raises:
-        ValueError: no model was given.
+        ValueError: no model was given, or it has no weights yet (not built).
     """
     if model is None:
         raise ValueError("Keras 3 has no global variables: call hvd.broadcast_global_variables(root_rank, model) "
                          "or pass hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank) to model.fit")
+    require_built(model, "broadcast_global_variables")
     _broadcast_variables([*model.variables, *variables_of(getattr(model, "optimizer", None))], root_rank)
 
 

@@ -73,6 +73,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--output-filename", dest="output_filename", metavar="DIR",
                      help="also write each rank's output to DIR/rank.N/stdout and stderr")
     how.add_argument("--verbose", action="store_true", help="print the launch plan")
+    how.add_argument("--log-level", dest="log_level", type=str.upper,
+                     choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                     help="how much hora run itself logs (horovodrun's flag); --verbose implies INFO")
 
     remote = parser.add_argument_group("other hosts (ssh)")
     remote.add_argument("-p", "--ssh-port", dest="ssh_port", type=int, metavar="PORT", help="sshd port on the hosts")
@@ -123,8 +126,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                          help="fail the job when the ring re-forms more than N times")
     elastic.add_argument("--blacklist-cooldown-range", dest="blacklist_cooldown_range", type=float, nargs=2,
                          metavar=("MIN", "MAX"),
-                         help="a host whose worker failed may return after MIN seconds, doubling per failure up "
-                              "to MAX (default: blacklisted for good)")
+                         help="a host whose worker failed may return after MIN*2^n seconds (n: its failures) "
+                              "plus a random fraction of MIN, kept within MIN..MAX, as horovodrun "
+                              "(default: blacklisted for good)")
 
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments ('--' optional)")
 
@@ -241,8 +245,9 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         config = config_from_args(args)
     except ConfigError as e:
         parser.error(str(e))  # usage + message, exit code 2
-    if config.verbose:
-        logging.basicConfig(level=logging.INFO, format="hora run: %(message)s")
+    level = getattr(args, "log_level", None) or ("INFO" if config.verbose else None)
+    if level is not None:
+        logging.basicConfig(level=getattr(logging, level), format="hora run: %(message)s")
     from hora.runner.launch import launch  # keep `hora --help` fast
 
     try:

@@ -555,9 +555,19 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
         for v, x in zip(variables, values, strict=True):
             v.assign(x)
         return [tf.convert_to_tensor(v) for v in variables]
-    assigns = [tf.compat.v1.assign(v, x) for v, x in zip(variables, values, strict=True)]
+    assigns = [_assign_in_graph(v, x) for v, x in zip(variables, values, strict=True)]
     with tf.control_dependencies(assigns):
         return [tf.identity(a) for a in assigns]
+
+
+def _assign_in_graph(variable: Any, value: tf.Tensor) -> tf.Tensor:
+    """Assign in a graph; returns the new value, ordered after the assignment."""
+    if isinstance(variable, tf.Variable):
+        return tf.compat.v1.assign(variable, value)
+    # A Keras 3 variable (tf.keras on TF >= 2.16, as in Horovod's TF2 examples inside tf.function) is no
+    # tf.Variable: its own assign writes the TF variable it wraps, and tf.function orders the read after it.
+    variable.assign(value)
+    return tf.convert_to_tensor(variable)
 
 
 # ------------------------------------------------------------------------------------- alltoall

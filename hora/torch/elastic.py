@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import random
 from collections.abc import Callable, Iterator, Sized
 from typing import Any, TypeVar
 
@@ -32,7 +33,6 @@ from hora.core import runtime
 from hora.core.elastic import ObjectState, State, run_fn
 from hora.errors import HostsUpdatedInterrupt, InternalError
 from hora.torch.functions import (
-    allgather_object,
     broadcast_object,
     broadcast_optimizer_state,
     broadcast_parameters,
@@ -114,13 +114,8 @@ class _OptimizerHandler(_Handler):
 
 class _SamplerHandler(_Handler):
     def sync(self) -> None:
-        # Each rank recorded only its own batches: the union is what the epoch has processed.
-        seen: set[int] = set()
-        for indices in allgather_object(sorted(self.value.processed_indices)):
-            seen.update(indices)
-        state = self.value.state_dict()
-        state["processed_indices"] = sorted(seen)
-        self.value.load_state_dict(broadcast_object(state, root_rank=0))
+        # processed_num counts the whole ring's samples, so rank 0's is every rank's.
+        self.value.load_state_dict(broadcast_object(self.value.state_dict(), root_rank=0))
 
 
 def _handler_for(value: Any) -> _Handler | None:
@@ -181,18 +176,25 @@ class TorchState(ObjectState):
 
 
 class ElasticSampler(torch.utils.data.Sampler):
-    """A sampler that splits an epoch's not-yet-processed samples over the ranks of the current ring.
+    """A sampler that deals the samples an epoch has not yet processed over the ranks of the current ring.
 
-    Call :meth:`set_epoch` at the start of every epoch and
-    :meth:`record_batch` after every batch (put the sampler in a
-    :class:`TorchState` so it is committed).  After a reset, the samples that
-    no rank has processed this epoch are shuffled with ``seed + epoch`` (the
-    same order on every rank), padded to a multiple of the new size and
-    dealt out round-robin, so each remaining sample is seen once.
+    Horovod's sampler, with its public attributes and their values: the
+    epoch's order is a shuffle of every index with ``random.Random(seed +
+    epoch)`` (the same on every rank); ``processed_num`` counts the samples
+    the whole ring has processed this epoch, the first ``processed_num`` of
+    that order; ``remaining_indices`` are the others, padded to
+    ``total_size`` (a multiple of the ring's size) and dealt round-robin, so
+    each rank iterates over ``num_samples`` of them.
+
+    Call :meth:`set_epoch` when an epoch starts (it forgets the progress) and
+    :meth:`record_batch` after every batch, and put the sampler in a
+    :class:`TorchState`: a commit saves ``processed_num``, a restore goes
+    back to it, and after a reset every rank takes rank 0's value and
+    repartitions the remaining samples over the new ring.
 
     Args:
         dataset: anything with a length.
-        shuffle: shuffle the remaining indices each epoch.
+        shuffle: shuffle the indices each epoch.
         seed: base of the shuffle's seed; must agree on every rank.
     """
 
@@ -201,59 +203,70 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0
-        self.processed_indices: set[int] = set()
+        self.processed_num = 0
+        self.num_replicas = 1
+        self.rank = 0
+        self.remaining_indices: list[int] = []
+        self.num_samples = 0
+        self.total_size = 0
         self.indices: list[int] = []
         self.reset()
 
+    @property
+    def processed_indices(self) -> set[int]:
+        """The dataset indices processed this epoch: the first ``processed_num`` of the epoch's order."""
+        return set(self._order()[:self.processed_num])
+
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch``: nothing is processed yet."""
+        """Start ``epoch``: nothing of it is processed yet, and its order is reshuffled."""
         self.epoch = epoch
-        self.processed_indices = set()
+        self.processed_num = 0
         self.reset()
 
     def record_batch(self, batch_idx: int, batch_size: int) -> None:
-        """Mark the samples of this rank's batch ``batch_idx`` (counted from the last reset) as processed."""
-        self.record_indices(self.get_indices(batch_idx, batch_size))
+        """Count one batch of ``batch_size`` on every rank of the ring as processed.
 
-    def record_indices(self, indices: list[int] | set[int]) -> None:
-        """Mark ``indices`` (dataset indices) as processed."""
-        self.processed_indices.update(int(i) for i in indices)
+        ``batch_idx`` is accepted for Horovod's signature; the count is what
+        matters, since the ranks deal the epoch's order round-robin.
+        """
+        self.processed_num += batch_size * self.num_replicas
 
     def get_indices(self, batch_idx: int, batch_size: int) -> list[int]:
         """The dataset indices of this rank's batch ``batch_idx`` in the current iteration."""
+        mine = self._mine()
         start = batch_idx * batch_size
-        return self.indices[start:min(start + batch_size, len(self.indices))]
+        return mine[start:start + batch_size]
 
     def state_dict(self) -> dict[str, Any]:
-        """The epoch and the processed indices (as a sorted list)."""
-        return {"epoch": self.epoch, "processed_indices": sorted(self.processed_indices)}
+        """The epoch and how many of its samples the ring has processed."""
+        return {"epoch": self.epoch, "processed_num": self.processed_num}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Take the epoch and processed indices of :meth:`state_dict`, and repartition."""
+        """Take the epoch and ``processed_num`` of :meth:`state_dict`, and repartition."""
         self.epoch = int(state_dict["epoch"])
-        self.processed_indices = {int(i) for i in state_dict["processed_indices"]}
+        self.processed_num = int(state_dict["processed_num"])
         self.reset()
 
     def reset(self) -> None:
-        """Repartition the remaining indices over the current ring's ranks."""
+        """Repartition the epoch's remaining samples over the current ring's ranks."""
         initialized = runtime.is_initialized()
         self.num_replicas = _size() if initialized else 1
         self.rank = _rank() if initialized else 0
-        self.remaining_indices = [i for i in range(len(self.dataset)) if i not in self.processed_indices]
+        self.remaining_indices = self._order()[self.processed_num:]
         self.num_samples = math.ceil(len(self.remaining_indices) / self.num_replicas)
         self.total_size = self.num_samples * self.num_replicas
-        self.indices = self._mine()
+
+    def _order(self) -> list[int]:
+        order = list(range(len(self.dataset)))
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(order)
+        return order
 
     def _mine(self) -> list[int]:
-        order = list(self.remaining_indices)
-        if self.shuffle and order:
-            generator = torch.Generator()
-            generator.manual_seed(self.seed + self.epoch)
-            order = [order[i] for i in torch.randperm(len(order), generator=generator).tolist()]
-        if order:
-            while len(order) < self.total_size:
-                order += order[: self.total_size - len(order)]
-        return order[self.rank:self.total_size:self.num_replicas]
+        padded = list(self.remaining_indices)
+        while padded and len(padded) < self.total_size:
+            padded += padded[:self.total_size - len(padded)]
+        return padded[self.rank:self.total_size:self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
         self.indices = self._mine()

@@ -91,7 +91,8 @@ def test_a_lost_host_fails_its_workers_and_the_survivors_are_told_to_leave_the_r
     assert not driver.workers[2].alive and driver.workers[2].returncode == 255
     assert driver.workers[0].alive and driver.workers[1].alive
     assert driver.spawner.signals == [([2], signal.SIGKILL)]
-    assert driver.hosts.is_blacklisted("h3") and driver.news
+    assert driver.hosts.is_blacklisted("h3")
+    assert driver.events and driver.events[-1].update == elastic_wire.HOSTS_REMOVED
     assert driver.failures[0].host == "h3" and "lost: h3 stopped answering" in driver.failures[0].note
     for seq in (0, 1):
         lines[seq].sock.settimeout(10)
@@ -120,7 +121,8 @@ def test_a_dropped_member_aborts_the_round_but_a_closed_watch_or_an_exit_does_no
     assert driver.workers[2].alive and driver.spawner.signals == []
     driver.spawner.exits.put((2, 1))  # then it failed: its connections closed with it, the others know at once
     driver._reap()
-    assert driver.news and driver.hosts.is_blacklisted("h3")
+    assert driver.events and driver.events[-1].update == elastic_wire.HOSTS_REMOVED
+    assert driver.hosts.is_blacklisted("h3")
     lines[0].sock.settimeout(0.5)
     with pytest.raises(TimeoutError):
         lines[0].recv()

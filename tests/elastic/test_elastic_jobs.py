@@ -54,10 +54,13 @@ def assert_same_weights(digests, size):
     assert len({d["digest"] for d in digests}) == 1, digests
 
 
-def test_hosts_added_then_removed(run_job, tmp_path):
+@pytest.mark.parametrize("wait_mode", ["commit", "notification"])
+def test_hosts_added_then_removed(run_job, tmp_path, wait_mode):
+    """The driver's notification reaches the state's host messages (what Horovod's own scenario script waits
+    for) and the next commit re-forms the ring, on every rank at once."""
     schedule = {0: ["localhost:2"], 1: ["localhost:2", "127.0.0.1:2"], None: ["127.0.0.1:2"]}
     proc, results, digests = run_elastic(run_job, tmp_path, schedule=schedule, wait_for_hosts="0,1",
-                                         extra=["--reset-limit", "2"])
+                                         wait_mode=wait_mode, extra=["--reset-limit", "2"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert [(r["size"], r["hostname"], r["start_rank"], r["rendezvous"]) for r in results] == [
         (2, "localhost", 0, 1), (4, "localhost", 0, 2), (2, "127.0.0.1", 2, 3)]
@@ -85,6 +88,33 @@ def test_one_rank_fails_and_training_finishes_on_the_survivors(run_job, tmp_path
     waits = [float(x) for x in Path(f"{stamp}.survivors").read_text().split()]
     # A survivor's blocked collective raised within seconds of the death, never at gloo's 60 s timeout.
     assert waits and max(waits) < 20, waits
+
+
+def test_sampler_resumes_the_epoch_on_the_smaller_ring(run_job, tmp_path):
+    """A rank dies mid-epoch: the survivors restore the sampler's last commit and share out what the epoch has left."""
+    samples, batch = 96, 4
+    log = tmp_path / "sampler.jsonl"
+    proc, results, _ = run_elastic(run_job, tmp_path, schedule={None: ["localhost:2", "127.0.0.1:2"]},
+                                   exit_schedule={"1,3": [0]}, samples=str(samples), batch_size=str(batch),
+                                   sampler_log=str(log), epochs="2", batches_per_epoch="6")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    first = [r for r in rows if r["rendezvous"] == 1]
+    assert len(first) == 4
+    for r in first:  # a fresh epoch over 4 ranks
+        assert (r["epoch"], r["processed_num"], r["num_samples"], r["total_size"]) == (0, 0, 24, 96)
+    assert sorted(i for r in first for i in r["mine"]) == list(range(samples))
+    after = [r for r in rows if r["rendezvous"] == 2]
+    assert sorted(r["rank"] for r in after) == [0, 1] and all(r["size"] == 2 for r in after)
+    # restored to the commit after 3 batches of epoch 1 on 4 ranks: 3 * 4 * 4 samples are done
+    for r in after:
+        assert (r["epoch"], r["batch"], r["processed_num"]) == (1, 3, 48), r
+        assert (r["num_samples"], r["total_size"]) == (24, 48)
+        assert len(r["remaining"]) == 48 and not set(r["remaining"]) & set(r["processed"])
+        assert sorted(r["remaining"] + r["processed"]) == list(range(samples))
+    assert after[0]["remaining"] == after[1]["remaining"]
+    # the two survivors split exactly the remaining samples between them
+    assert sorted(i for r in after for i in r["mine"]) == sorted(after[0]["remaining"])
 
 
 def test_all_ranks_failing_fails_the_job_cleanly(run_job, tmp_path):

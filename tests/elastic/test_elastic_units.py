@@ -38,6 +38,48 @@ def _state(**kwargs):
 # ------------------------------------------------------------------ State
 
 
+@pytest.fixture
+def elastic_env(monkeypatch):
+    from hora import envvars
+
+    monkeypatch.setenv(envvars.HORA_ELASTIC_DRIVER_ADDR, "127.0.0.1")
+    monkeypatch.setenv(envvars.HORA_ELASTIC_DRIVER_PORT, "1")
+    monkeypatch.setenv(envvars.HORA_ELASTIC_WORKER_ID, "h-0")
+
+
+def test_host_messages_raise_at_commit_only_when_newer_than_the_last(elastic_env):
+    from hora.core.elastic import HostUpdateResult
+
+    state, _ = _state(epoch=0)
+    state.commit()  # no message: nothing to do
+    state.on_hosts_updated(10.0, HostUpdateResult.added)
+    state.on_hosts_updated(12.0, HostUpdateResult.removed)
+    with pytest.raises(HostsUpdatedInterrupt):
+        state.commit()
+    assert state._host_messages.empty() and state._last_updated_timestamp == 12.0
+    state.on_hosts_updated(11.0, HostUpdateResult.added)  # older than what was acted on: ignored
+    state.commit()
+    # Horovod's scenario script: forget the last timestamp, so that any message counts again
+    state._last_updated_timestamp = 0
+    state.on_hosts_updated(11.0, HostUpdateResult.added)
+    with pytest.raises(HostsUpdatedInterrupt):
+        state.commit()
+    state.on_hosts_updated(20.0, HostUpdateResult.added)
+    state.on_reset()  # a reset drops the old round's messages
+    assert state._host_messages.empty()
+    state.commit()
+
+
+def test_every_rank_follows_rank_zero_s_host_messages(elastic_env):
+    from hora.core.elastic import HostUpdateResult
+
+    state, rank0 = _state(epoch=0)
+    rank0["state"] = (0, 5.0, int(HostUpdateResult.added))  # what rank 0 broadcasts: it saw a message
+    with pytest.raises(HostsUpdatedInterrupt):
+        state.commit()  # this rank's own queue is empty
+    assert state._last_updated_timestamp == 5.0
+
+
 def test_commit_then_restore_goes_back_to_the_commit():
     state, _ = _state(epoch=0, batch=0, history=[])
     state.epoch, state.batch = 2, 7
@@ -128,49 +170,51 @@ def test_sampler_partitions_an_epoch_over_ranks():
     from hora.torch.elastic import ElasticSampler
 
     sampler = ElasticSampler(list(range(10)), shuffle=False)
-    sampler.num_replicas, sampler.rank = 1, 0
     assert list(sampler) == list(range(10)) and len(sampler) == 10
+    assert (sampler.processed_num, sampler.num_samples, sampler.total_size) == (0, 10, 10)
+    assert sampler.remaining_indices == list(range(10)) and sampler.processed_indices == set()
 
 
-def test_sampler_repartitions_only_what_was_not_processed():
+def test_sampler_counts_the_ring_s_batches_and_resumes_after_them():
+    """processed_num counts every rank's batch; the epoch's order resumes after it, at any ring size."""
+    import random
+
     from hora.torch.elastic import ElasticSampler
 
     sampler = ElasticSampler(list(range(12)), shuffle=True, seed=3)
     sampler.set_epoch(2)
-    order = list(sampler)
-    sampler.record_batch(0, 4)  # the first 4 of this rank's order
-    sampler.record_batch(2, 2)  # indices 4:6 of the order
-    done = set(order[:6])
-    assert sampler.processed_indices == done
+    order = list(range(12))
+    random.Random(3 + 2).shuffle(order)  # the epoch's order is a seeded shuffle of every index
+    assert sampler.remaining_indices == order and list(sampler) == order
+    sampler.num_replicas = 2  # as in a ring of 2: each record_batch covers a batch on both ranks
+    sampler.record_batch(0, 2)
+    sampler.record_batch(1, 2)
+    assert sampler.processed_num == 8
+    assert sampler.processed_indices == set(order[:8])
     state = sampler.state_dict()
-    assert state == {"epoch": 2, "processed_indices": sorted(done)}
+    assert state == {"epoch": 2, "processed_num": 8}
 
-    # a new ring of 3 ranks: together they see exactly the 6 remaining samples, padded to 6
+    # a new ring of 3 ranks: rank r takes every 3rd of the 4 remaining samples, padded to 6
     parts = []
     for rank in range(3):
         s = ElasticSampler(list(range(12)), shuffle=True, seed=3)
         s.load_state_dict(state)
+        assert (s.epoch, s.processed_num, s.remaining_indices) == (2, 8, order[8:])
         s.num_replicas, s.rank = 3, rank
-        s.remaining_indices = [i for i in range(12) if i not in s.processed_indices]
-        s.num_samples = 2
-        s.total_size = 6
+        s.num_samples, s.total_size = 2, 6  # what reset() computes in a ring of 3
         parts.append(list(s))
-    seen = [i for part in parts for i in part]
-    assert sorted(seen) == sorted(set(range(12)) - done)
-    assert all(len(part) == 2 for part in parts)
+    assert parts == [[order[8], order[11]], [order[9], order[8]], [order[10], order[9]]]
 
 
-def test_sampler_pads_uneven_remainders_and_new_epoch_forgets_progress():
+def test_sampler_new_epoch_forgets_progress_and_reshuffles():
     from hora.torch.elastic import ElasticSampler
 
     sampler = ElasticSampler(list(range(5)), shuffle=False)
-    sampler.record_indices([0, 1])
-    sampler.num_replicas, sampler.rank = 2, 1
-    sampler.remaining_indices = [2, 3, 4]
-    sampler.num_samples, sampler.total_size = 2, 4
-    assert list(sampler) == [3, 2]  # [2, 3, 4, 2][1::2]: padded with the first remaining index
+    sampler.record_batch(0, 2)
+    sampler.reset()
+    assert (sampler.remaining_indices, sampler.num_samples, sampler.total_size) == ([2, 3, 4], 3, 3)
     sampler.set_epoch(1)
-    assert sampler.processed_indices == set() and sampler.epoch == 1
+    assert (sampler.processed_num, sampler.epoch, sampler.remaining_indices) == (0, 1, [0, 1, 2, 3, 4])
 
 
 def test_sampler_shuffle_is_the_same_on_every_rank_and_changes_by_epoch():
@@ -220,18 +264,21 @@ def test_blacklist_is_permanent_without_a_cooldown_range():
 
 
 def test_cooldown_doubles_per_failure_up_to_the_maximum():
+    """horovodrun's schedule: MIN * 2**failures plus a fraction of MIN, between MIN and MAX."""
     clock = FakeClock()
-    hosts = HostManager(cooldown_range=(1.0, 5.0), clock=clock)
+    hosts = HostManager(cooldown_range=(1.0, 10.0), clock=clock, jitter=lambda: 0.5)
     hosts.update({"a": 1, "b": 1})
-    assert [hosts.blacklist("a") for _ in range(4)] == [1.0, 2.0, 4.0, 5.0]
-    hosts.records["a"].failures = 1
-    assert hosts.blacklist("a") == 2.0
+    assert [hosts.blacklist("a") for _ in range(4)] == [2.5, 4.5, 8.5, 10.0]
+    hosts.records["a"].failures = 0
+    assert hosts.blacklist("a") == 2.5
     assert hosts.available() == {"b": 1}
-    assert hosts.next_return() == pytest.approx(2.0)
-    clock.now += 1.9
+    assert hosts.next_return() == pytest.approx(2.5)
+    clock.now += 2.4
     assert "a" not in hosts.available()
     clock.now += 0.2
     assert hosts.available() == {"a": 1, "b": 1}  # back, in first-seen order
+    assert HostManager(cooldown_range=(1.0, 2.0), jitter=lambda: 0.0).blacklist("a") == 2.0  # capped at MAX
+    assert HostManager(cooldown_range=(3.0, 3.0), jitter=lambda: 0.0).blacklist("a") == 3.0
 
 
 def test_hosts_keep_first_seen_order_and_report_changes():
@@ -328,11 +375,36 @@ def driver():
     d.close()
 
 
-def test_driver_answers_an_authenticated_poll(driver):
-    channel = elastic_wire.connect("127.0.0.1", driver.port, "job-secret", timeout=10)
-    channel.send({"op": "poll", "worker": "h-0", "round": 0})
-    assert channel.recv() == {"updated": False}
-    channel.close()
+def _worker_config(driver):
+    from hora.config import ElasticConfig
+
+    return ElasticConfig(driver_addr="127.0.0.1", driver_port=driver.port, worker_id="h-0", secret="job-secret")
+
+
+def test_driver_answers_events_requests_as_the_round_s_events_happen(driver, monkeypatch):
+    import time
+
+    from hora.core.elastic import worker
+    from hora.runner.elastic import driver as driver_module
+
+    monkeypatch.setattr(driver_module, "EVENTS_WAIT_SECONDS", 0.5)
+    config = _worker_config(driver)
+    t0 = time.monotonic()
+    assert worker.host_events(config, 0, -1, timeout=5) == []  # nothing happened: answered empty at the driver's limit
+    assert 0.4 < time.monotonic() - t0 < 4
+    monkeypatch.setattr(driver_module, "EVENTS_WAIT_SECONDS", 20.0)
+    timer = threading.Timer(0.3, driver._note, args=(elastic_wire.HOSTS_ADDED,))
+    timer.start()
+    t0 = time.monotonic()
+    events = worker.host_events(config, 0, -1, timeout=30)  # waits for the event, answered as it happens
+    assert time.monotonic() - t0 < 5
+    assert [(seq, update) for seq, _, update in events] == [(0, elastic_wire.HOSTS_ADDED)]
+    driver._note(elastic_wire.HOSTS_REMOVED)
+    later = worker.host_events(config, 0, 0, timeout=5)  # only what came after the event already seen
+    assert [(seq, update) for seq, _, update in later] == [(1, elastic_wire.HOSTS_REMOVED)]
+    assert later[0][1] > events[0][1]  # timestamps increase
+    monkeypatch.setattr(driver_module, "EVENTS_WAIT_SECONDS", 0.2)
+    assert worker.host_events(config, 5, -1, timeout=5) == []  # another round's events are not this round's
 
 
 def test_driver_drops_a_join_with_the_wrong_secret(driver):

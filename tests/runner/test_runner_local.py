@@ -49,6 +49,21 @@ def test_output_prefix_and_env_per_rank(hora_cli, scripts):
 
 
 @pytest.mark.timeout(60)
+def test_horovodrun_log_level_flag(hora_cli):
+    """horovodrun's --log-level is accepted: DEBUG shows hora run's own log, WARNING keeps it quiet."""
+    code = "import os; print(os.environ['HORA_RANK'])"
+    result = hora_cli("run", "--gloo", "-np", "2", "--log-level", "DEBUG", PY, "-c", code)
+    assert result.returncode == 0, result.stderr
+    assert "hora run: rank 1 started as pid" in result.stderr
+    result = hora_cli("run", "--gloo", "-np", "2", "--log-level", "warning", PY, "-c", code)
+    assert result.returncode == 0, result.stderr
+    assert "started as pid" not in result.stderr
+    assert sorted(result.stdout.splitlines()) == ["[0]<stdout>:0", "[1]<stdout>:1"]
+    result = hora_cli("run", "--gloo", "-np", "1", "--log-level", "LOUD", PY, "-c", "pass")
+    assert result.returncode == 2 and "--log-level" in result.stderr
+
+
+@pytest.mark.timeout(60)
 def test_omp_num_threads_notice_and_value(hora_cli, scripts):
     result = hora_cli("run", "--gloo", "-np", "2", PY, str(scripts / "env_dump.py"))
     expected = str(max(1, available_cpus() // 2))

@@ -12,7 +12,7 @@ executor or another framework can too):
   :func:`~hora.core.elastic.worker.rendezvous` from
   :func:`hora.core.start_engine`, so the binding's ``init()`` needs no change.
   Another launcher can drive workers the same way by speaking
-  :mod:`hora.elastic_wire` (``join`` and ``poll``, see
+  :mod:`hora.elastic_wire` (``join`` and ``events``, see
   :mod:`hora.runner.elastic.driver`).
 
 The exceptions are :class:`hora.errors.InternalError` (Horovod's
@@ -22,11 +22,12 @@ The exceptions are :class:`hora.errors.InternalError` (Horovod's
 from __future__ import annotations
 
 from hora.core.elastic.loop import run_fn
+from hora.core.elastic.notifications import HostUpdateResult
 from hora.core.elastic.state import ObjectState, State
 from hora.core.elastic.worker import WorkerRetired
 from hora.errors import HostsUpdatedInterrupt, InternalError
 
 HorovodInternalError = InternalError
 
-__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "InternalError", "ObjectState", "State", "WorkerRetired",
-           "run_fn"]
+__all__ = ["HorovodInternalError", "HostUpdateResult", "HostsUpdatedInterrupt", "InternalError", "ObjectState", "State",
+           "WorkerRetired", "run_fn"]

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from hora.core.elastic.notifications import notifier
 from hora.core.elastic.state import State
 from hora.elastic_wire import WireError
 from hora.errors import BackendError, HostsUpdatedInterrupt, InternalError
@@ -48,19 +49,23 @@ def run_fn(func: F, reset: Callable[[], None]) -> F:
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         sync = True
-        while True:
-            try:
-                if sync:
-                    state.sync()
-                return func(state, *args, **kwargs)
-            except InternalError as e:  # ShutdownError too: a peer that exited shut its engine down
-                log.warning("a peer was lost (%s); restoring the last commit and re-forming the ring", e)
-                state.restore()
-                sync = True
-            except HostsUpdatedInterrupt as e:
-                sync = not e.skip_sync
-            _reform(reset)
-            state.on_reset()
+        notifier.register(state)  # the driver's host updates fill state._host_messages
+        try:
+            while True:
+                try:
+                    if sync:
+                        state.sync()
+                    return func(state, *args, **kwargs)
+                except InternalError as e:  # ShutdownError too: a peer that exited shut its engine down
+                    log.warning("a peer was lost (%s); restoring the last commit and re-forming the ring", e)
+                    state.restore()
+                    sync = True
+                except HostsUpdatedInterrupt as e:
+                    sync = not e.skip_sync
+                _reform(reset)
+                state.on_reset()
+        finally:
+            notifier.remove(state)
 
     return wrapper  # type: ignore[return-value]
 

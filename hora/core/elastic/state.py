@@ -1,7 +1,9 @@
 """Elastic training state: what is committed, restored after a lost peer, and synced from rank 0 after a reset.
 
 :class:`State` is Horovod's ``hvd.elastic.State`` without a framework:
-``commit()`` saves a copy in memory and asks whether the hosts changed;
+``commit()`` saves a copy in memory and checks the queue of host-update
+messages that the driver's notifications fill (``_host_messages``, as in
+Horovod, whose own scripts read it);
 ``restore()`` goes back to the last commit (after a
 :class:`~hora.errors.InternalError`); ``sync()`` makes every rank's state
 rank 0's (after each reset, so that workers that joined start from it).
@@ -14,10 +16,12 @@ from __future__ import annotations
 
 import copy
 import logging
+import queue
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from hora.config import ElasticConfig
+from hora.core.elastic.notifications import HostUpdateResult
 from hora.errors import HostsUpdatedInterrupt
 
 log = logging.getLogger(__name__)
@@ -41,6 +45,13 @@ def _default_rank() -> int:
 class State:
     """Base of every elastic state (Horovod's ``hvd.elastic.State``).
 
+    Two attributes keep Horovod's names and meaning, because Horovod's own
+    elastic scripts use them: ``_host_messages``, a queue of
+    ``(timestamp, HostUpdateResult)`` that the driver's notifications fill
+    (emptied at every reset), and ``_last_updated_timestamp``, the newest
+    timestamp acted on: a commit raises :class:`HostsUpdatedInterrupt` only
+    for a message newer than it (set it to 0 to act on any message).
+
     Args:
         bcast_object: broadcasts a picklable object from rank 0 (default:
             :func:`hora.core.objects.broadcast_object`).
@@ -51,6 +62,8 @@ class State:
                  ) -> None:
         self._bcast_object = bcast_object or _default_bcast
         self._rank = get_rank or _default_rank
+        self._host_messages: queue.Queue[tuple[float, HostUpdateResult]] = queue.Queue()
+        self._last_updated_timestamp: float = 0
         self._reset_callbacks: list[Callable[[], None]] = []
         self._elastic = ElasticConfig.from_env()
 
@@ -59,7 +72,9 @@ class State:
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
-        """Run after a reset: the subclass's :meth:`reset`, then the registered callbacks."""
+        """Run after a reset: drop the old round's host messages, then the subclass's :meth:`reset`, then the
+        registered callbacks."""
+        self._host_messages = queue.Queue()
         self.reset()
         for callback in self._reset_callbacks:
             callback()
@@ -75,21 +90,33 @@ class State:
         self.save()
         self.check_host_updates()
 
-    def check_host_updates(self) -> None:
-        """Raise :class:`HostsUpdatedInterrupt` on every rank when the elastic driver has news.
+    def on_hosts_updated(self, timestamp: float, update_res: HostUpdateResult) -> None:
+        """Queue a host-update message (called by the driver's notifications)."""
+        self._host_messages.put((timestamp, update_res))
 
-        Rank 0 asks the driver and broadcasts the answer, so every rank
-        raises at the same commit.  Outside elastic jobs this does nothing.
+    def check_host_updates(self) -> None:
+        """Raise :class:`HostsUpdatedInterrupt` on every rank when a queued host message is newer than the last.
+
+        Every rank empties its queue; rank 0's verdict is broadcast, so every
+        rank raises at the same commit.  Outside elastic jobs nothing fills
+        the queue and this does nothing.
         """
         if not self._elastic.enabled:
             return
-        updated = False
-        if self._rank() == 0:
-            from hora.core.elastic import worker
-
-            updated = worker.hosts_updated(self._elastic)
-        if self._bcast_object(updated):
-            log.info("hosts changed: re-forming the ring")
+        previous = newest = self._last_updated_timestamp
+        update = HostUpdateResult.no_update
+        while True:
+            try:
+                timestamp, result = self._host_messages.get_nowait()
+            except queue.Empty:
+                break
+            if timestamp > newest:
+                newest = timestamp
+                update |= result
+        previous, self._last_updated_timestamp, bits = self._bcast_object((previous, newest, int(update)))
+        if self._last_updated_timestamp > previous:
+            log.info("hosts changed (%s): re-forming the ring", HostUpdateResult(bits))
+            # Always synced afterwards: a worker that rejoined after a failure holds an older commit.
             raise HostsUpdatedInterrupt(skip_sync=False)
 
     def save(self) -> None:

@@ -11,9 +11,11 @@ connect into a newer ring.  The driver may instead answer that this worker
 is no longer needed (its host was removed or blacklisted, or the job has
 finished): :class:`WorkerRetired`.
 
-:func:`hosts_updated` is the cheap question rank 0 asks at every
-``State.commit()``: has the driver anything newer than the round we run in?
-Every message is authenticated by :mod:`hora.elastic_wire`.
+:func:`host_events` waits for the driver's events of the round this worker
+runs in (hosts added or removed, a worker lost): the notifier of
+:mod:`hora.core.elastic.notifications` keeps one such long poll open and
+hands the events to the registered states.  Every message is authenticated
+by :mod:`hora.elastic_wire`.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class Assignment(Placement):
         return env
 
 
-#: The round this process last joined (None before its first); read by :func:`hosts_updated`.
+#: The round this process last joined (None before its first).
 _current: Assignment | None = None
 _released: list[tuple[str, int]] = []
 
@@ -115,22 +117,25 @@ def rendezvous(config: ElasticConfig, env: Mapping[str, str]) -> dict[str, str]:
     return {**env, **a.env()}
 
 
-def hosts_updated(config: ElasticConfig) -> bool:
-    """Whether the driver has news since the current round: hosts added or removed, or a worker lost.
+def host_events(config: ElasticConfig, round_: int, after: int, timeout: float) -> list[tuple[int, float, int]]:
+    """The driver's events of round ``round_`` numbered after ``after``, as ``(seq, timestamp, update)``.
+
+    The driver answers as soon as there is one, or with none after at most
+    ``timeout`` seconds (its own limit may be shorter), or when the round is over.
 
     Raises:
-        hora.elastic_wire.WireError: the driver cannot be reached.
+        hora.elastic_wire.WireError: the driver cannot be reached, or the answer broke off.
+        OSError: the connection failed.
     """
-    if _current is None:
-        return False
     channel = elastic_wire.connect(str(config.driver_addr), int(config.driver_port or 0), str(config.secret),
                                    timeout=30.0)
     try:
-        channel.send({"op": "poll", "worker": config.worker_id, "round": _current.round})
-        channel.sock.settimeout(30.0)
-        return bool(channel.recv().get("updated"))
+        channel.send({"op": "events", "worker": config.worker_id, "round": round_, "after": after})
+        channel.sock.settimeout(timeout + 30.0)
+        reply = channel.recv()
     finally:
         channel.close()
+    return [(int(seq), float(ts), int(update)) for seq, ts, update in reply.get("events", [])]
 
 
 def forget() -> None:

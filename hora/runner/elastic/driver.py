@@ -14,8 +14,12 @@ The driver owns three things:
   the order the workers were started in (so rank 0 is always a worker that
   has the committed state), each worker gets its rank, size, local and cross
   placement, and the address of the store that the round's rank 0 hosts.
-  A ``poll`` (rank 0's ``State.commit()``) learns whether anything happened
-  since its round: then every rank raises ``HostsUpdatedInterrupt``.
+  Everything that breaks the current round (hosts added or removed, a
+  worker lost) is an **event**: a timestamp and whether workers were added
+  or removed.  A worker's ``events`` request waits (a long poll) for the events of
+  its round after the last one it saw; they fill its ``State``'s queue of
+  host messages, and the next ``commit()`` raises ``HostsUpdatedInterrupt``
+  on every rank.
 
 The job fails, with a message naming the flag, when fewer than ``--min-np``
 workers can run for longer than ``--elastic-timeout``, when every host is
@@ -72,6 +76,8 @@ RETIRE_GRACE_SECONDS = 10.0
 MAX_UNAUTHENTICATED = 64
 #: Seconds a new connection has to send its first (authenticated) frame.
 FIRST_FRAME_SECONDS = 5.0
+#: Longest an ``events`` request waits for an event before answering with none (the worker then asks again).
+EVENTS_WAIT_SECONDS = 10.0
 
 
 class Discovery(Protocol):
@@ -110,6 +116,16 @@ class Worker:
     retired: bool = False
     retired_at: float | None = None
     returncode: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Event:
+    """Something that breaks the round it happened in: workers removed or added (``elastic_wire`` bits)."""
+
+    seq: int
+    timestamp: float
+    update: int
+    round: int
 
 
 @dataclasses.dataclass(slots=True)
@@ -182,10 +198,13 @@ class ElasticDriver:
         self.workers: dict[int, Worker] = {}
         self.round = 0
         self.members: list[int] = []
-        self.news = False
+        self.events: list[Event] = []
+        self._event_count = 0  # events are numbered across rounds, so a watcher's "after" stays meaningful
+        self._last_timestamp = 0.0
         self.finishing = False
         self.failures: list[RankExit] = []
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # an event, a new round, or the driver closing
         self._waiting: dict[int, _Join] = {}
         self._requests: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._next_seq = 0
@@ -241,12 +260,12 @@ class ElasticDriver:
             seq = int(str(message.get("worker", "")).rpartition("-")[2])
         except ValueError:
             seq = -1
-        if op == "poll":
+        if op == "events":
             try:
-                with self._lock:
-                    updated = self.news or int(message.get("round", 0)) < self.round
-                channel.send({"updated": updated})
-            except OSError:
+                round_, after = int(message.get("round", 0)), int(message.get("after", -1))
+                events = self._wait_for_events(round_, after, EVENTS_WAIT_SECONDS)
+                channel.send({"events": [[e.seq, e.timestamp, e.update] for e in events]})
+            except (OSError, TypeError, ValueError):
                 pass
             channel.close()
         elif op == "join":
@@ -277,6 +296,26 @@ class ElasticDriver:
             if self._watches.get(seq, (0, None))[1] is channel:
                 del self._watches[seq]
         channel.close()
+    def _note(self, update: int) -> None:
+        """Record an event of the current round and wake the watchers."""
+        with self._changed:
+            # Strictly increasing, so that every event is newer than the one a worker saw last.
+            self._last_timestamp = max(time.time(), self._last_timestamp + 1e-6)
+            self.events.append(Event(self._event_count, self._last_timestamp, update, self.round))
+            self._event_count += 1
+            self._changed.notify_all()
+
+    def _wait_for_events(self, round_: int, after: int, timeout: float) -> list[Event]:
+        """The events of ``round_`` after event ``after``: at once if there are some, else when one happens,
+        the round changes or ``timeout`` passes (then none)."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                events = [e for e in self.events if e.round == round_ and e.seq > after]
+                remaining = deadline - time.monotonic()
+                if events or self.round != round_ or self._closed.is_set() or remaining <= 0:
+                    return events
+                self._changed.wait(remaining)
 
     # ------------------------------------------------------------- the loop
     def run(self) -> JobResult:
@@ -344,9 +383,8 @@ class ElasticDriver:
             join = self._waiting.pop(seq, None)
             if join is not None:
                 join.channel.close()
-            with self._lock:
-                if seq in self.members:
-                    self.news = True
+            if seq in self.members:
+                self._note(elastic_wire.HOSTS_REMOVED)
             if worker.retired:
                 log.info("retired worker %d on %s %s", seq, worker.host, describe_returncode(code))
             elif code == 0:
@@ -384,9 +422,9 @@ class ElasticDriver:
         with self._lock:
             if not any(seq in self.members for seq in lost):
                 return
-            self.news = True
             round_, members = self.round, list(self.members)
             watches = dict(self._watches)
+        self._note(elastic_wire.HOSTS_REMOVED)  # a member is gone: the ring is broken
         addrs = sorted({self._addrs[seq] for seq in members if seq in self._addrs})
         message = {"abort": reason, "round": round_, "addrs": addrs}
         told = []
@@ -412,9 +450,8 @@ class ElasticDriver:
                 reason = "the job is finishing" if self.finishing else "its host left the job"
                 self._reply(join, {"stop": reason})
                 continue
-            with self._lock:
-                if join.after >= self.round and seq in self.members:
-                    self.news = True  # a member of the current round left it: the ring is broken
+            if join.after >= self.round and seq in self.members:
+                self._note(elastic_wire.HOSTS_REMOVED)  # a member of the current round left it: the ring is broken
             old = self._waiting.pop(seq, None)
             if old is not None:
                 old.channel.close()
@@ -433,8 +470,7 @@ class ElasticDriver:
         for w in self._eligible():
             if w.host not in available:
                 w.retired, w.retired_at = True, now
-                with self._lock:
-                    self.news = True
+                self._note(elastic_wire.HOSTS_REMOVED)
                 join = self._waiting.pop(w.seq, None)
                 if join is not None:
                     self._reply(join, {"stop": "its host left the job"})
@@ -458,9 +494,8 @@ class ElasticDriver:
                 per_host[host] += 1
         if started:
             self._started = True
-            with self._lock:
-                if self.round > 0:
-                    self.news = True
+            if self.round > 0:
+                self._note(elastic_wire.HOSTS_ADDED)
 
     def _start(self, host: str, provisional_rank: int) -> Worker:
         seq = self._next_seq
@@ -517,10 +552,12 @@ class ElasticDriver:
             stores[members[0].seq] = (self.advertise(remote), port)
         self._addrs.update({seq: addr for seq, (addr, _) in stores.items()})  # where its peers reach it
         placement = assign(members, stores, round_)
-        with self._lock:
+        with self._changed:
             self.round = round_
             self.members = [w.seq for w in members]
-            self.news = False
+            # Events of rounds before the previous one can no longer be asked for.
+            self.events = [e for e in self.events if e.round >= round_ - 1]
+            self._changed.notify_all()
         log.info("round %d: %d workers on %s", round_, len(members),
                  ",".join(dict.fromkeys(w.host for w in members)))
         for w in members:
@@ -575,6 +612,8 @@ class ElasticDriver:
     def close(self) -> None:
         """Stop listening and drop waiting connections."""
         self._closed.set()
+        with self._changed:
+            self._changed.notify_all()
         try:
             self._server.close()
         except OSError:

@@ -3,15 +3,17 @@
 A host whose worker failed is blacklisted.  Without a cool-down range the
 blacklist is permanent (horovodrun's behaviour); with
 ``--blacklist-cooldown-range MIN MAX`` the host may be tried again after a
-cool-down that starts at MIN seconds and doubles with each further failure
-of that host, up to MAX.  Time comes from an injectable clock, so the
-bookkeeping is tested without waiting.
+cool-down with horovodrun's schedule: after the n-th failure of that host,
+``MIN * 2**n`` plus a random fraction of MIN (so hosts that failed together
+do not return together), kept between MIN and MAX.  Time and the jitter are
+injectable, so the bookkeeping is tested without waiting.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import time
 from collections.abc import Callable, Mapping
 
@@ -39,12 +41,14 @@ class HostManager:
         cooldown_range: ``(min, max)`` seconds of the exponential cool-down,
             or None for a permanent blacklist.
         clock: monotonic seconds (tests pass a fake one).
+        jitter: a number in [0, 1) per blacklisting (tests pass a fixed one).
     """
 
     def __init__(self, cooldown_range: tuple[float, float] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, jitter: Callable[[], float] = random.random) -> None:
         self.cooldown_range = cooldown_range
         self.clock = clock
+        self.jitter = jitter
         self.discovered: dict[str, int] = {}
         self.records: dict[str, HostRecord] = {}
         self._order: dict[str, int] = {}
@@ -65,7 +69,7 @@ class HostManager:
             cooldown = float("inf")
         else:
             low, high = self.cooldown_range
-            cooldown = min(high, low * 2 ** (record.failures - 1))
+            cooldown = max(low, min(high, low * 2 ** record.failures + self.jitter() * low))
         record.blacklisted_until = self.clock() + cooldown
         log.warning("blacklisting host %s after %d failure(s)%s", host, record.failures,
                     "" if cooldown == float("inf") else f" for {cooldown:g} s")

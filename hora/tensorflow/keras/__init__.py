@@ -17,7 +17,7 @@ import tensorflow as tf
 from hora._keras import optimizer as _distributed
 from hora._keras.aggregation import AggregationOps, keras3_ops
 from hora._keras.numpy_collectives import broadcast_variables as _broadcast_keras_variables
-from hora._keras.numpy_collectives import variables_of
+from hora._keras.numpy_collectives import require_built, variables_of
 from hora.core.frontend import gradient_reduction as _gradient_reduction
 from hora.core.ops import ReduceOp
 from hora.core.runtime import ProcessSet, global_process_set
@@ -131,6 +131,7 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int,
 def broadcast_global_variables(root_rank: int, model: Any = None) -> Any:
     """Broadcast a model's and its optimizer's variables (eagerly), or the TF1 graph's global variables."""
     if model is not None:
+        require_built(model, "broadcast_global_variables")
         _broadcast_keras_variables([*model.variables, *variables_of(getattr(model, "optimizer", None))], root_rank)
         return None
     return _tf_broadcast_global_variables(root_rank)

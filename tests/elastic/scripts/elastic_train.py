@@ -5,6 +5,9 @@ epoch number to --epoch-file, which the tests' discovery scripts read to
 change the host list by epoch.  --exit-schedule maps "epoch,batch" to the
 start ranks (HORA_RANK at spawn) that fail there, by exception or SIGKILL.
 At the end every rank appends a digest of its weights to --weights-file.
+With --samples N the state holds an ElasticSampler over N samples, each
+batch records --batch-size per rank, and every rank appends the sampler's
+public values to --sampler-log whenever train() (re)starts.
 """
 
 import argparse
@@ -29,11 +32,17 @@ p.add_argument("--weights-file")
 p.add_argument("--exit-schedule", default="{}")
 p.add_argument("--exit-mode", default="exception", choices=["exception", "kill"])
 p.add_argument("--wait-for-hosts", default="", help="comma-separated epochs after which the host set changes")
+p.add_argument("--wait-mode", default="commit", choices=["commit", "notification"],
+               help="commit: check_host_updates() until it raises; notification: rank 0 waits for the driver's "
+                    "message in state._host_messages, as Horovod's own elastic scenario script does")
 p.add_argument("--epoch-wait", type=float, default=0.0)
 p.add_argument("--batch-wait", type=float, default=0.0)
 p.add_argument("--stop-file", help="the job ends after the epoch in which this file appears")
 p.add_argument("--kill-stamp", help="the failing rank writes the time it fails here; survivors append how long "
                                     "their blocked collective took to raise")
+p.add_argument("--samples", type=int, default=0, help="put an ElasticSampler over this many samples in the state")
+p.add_argument("--batch-size", type=int, default=4, help="samples per rank and batch, for the sampler")
+p.add_argument("--sampler-log")
 args = p.parse_args()
 
 hvd.init()
@@ -60,9 +69,24 @@ def maybe_fail(epoch, batch):
         raise RuntimeError(f"scheduled failure at epoch {epoch} batch {batch}, start rank {start_rank}")
 
 
+sampler = hvd.elastic.ElasticSampler(range(args.samples), shuffle=True, seed=5) if args.samples else None
+
+
+def log_sampler():
+    if sampler is None or not args.sampler_log:
+        return
+    values = {"rank": hvd.rank(), "size": hvd.size(), "rendezvous": state.rendezvous, "epoch": sampler.epoch,
+              "batch": state.batch, "processed_num": sampler.processed_num, "num_samples": sampler.num_samples,
+              "total_size": sampler.total_size, "remaining": sampler.remaining_indices,
+              "processed": sorted(sampler.processed_indices), "mine": list(sampler)}
+    with open(args.sampler_log, "a") as f:
+        f.write(json.dumps(values) + "\n")
+
+
 @hvd.elastic.run
 def train(state):
     state.rendezvous += 1
+    log_sampler()
     while state.epoch < args.epochs:
         while state.batch < args.batches_per_epoch:
             maybe_fail(state.epoch, state.batch)
@@ -79,6 +103,8 @@ def train(state):
                         f.write(f"{waited}\n")
                 raise
             state.batch += 1
+            if sampler is not None:
+                sampler.record_batch(state.batch - 1, args.batch_size)
             if args.batch_wait:
                 time.sleep(args.batch_wait)
             if state.batch % args.batches_per_commit == 0:
@@ -99,6 +125,15 @@ def train(state):
         if args.stop_file and hvd.broadcast_object(os.path.exists(args.stop_file), root_rank=0):
             state.epoch = args.epochs
         state.batch = 0
+        if sampler is not None:
+            sampler.set_epoch(state.epoch)
+        if args.wait_mode == "notification" and finished in wait_after and hvd.rank() == 0:
+            state._last_updated_timestamp = 0  # any message counts, however the clocks compare
+            deadline = time.monotonic() + 20
+            while state._host_messages.empty():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("no host-update message from the driver")
+                time.sleep(0.1)
         state.commit()
         if finished in wait_after and state.epoch < args.epochs:
             deadline = time.monotonic() + 20
@@ -113,7 +148,8 @@ def on_reset():
         group["lr"] = lr * hvd.size()
 
 
-state = hvd.elastic.TorchState(model, optimizer, epoch=0, batch=0, rendezvous=0)
+extra = {"sampler": sampler} if sampler is not None else {}
+state = hvd.elastic.TorchState(model, optimizer, epoch=0, batch=0, rendezvous=0, **extra)
 state.register_reset_callbacks([on_reset])
 train(state)
 if args.weights_file:

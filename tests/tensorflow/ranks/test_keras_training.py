@@ -279,3 +279,69 @@ def test_keras_state_restores_to_what_sync_made_it():
     for w in model.get_weights():
         np.testing.assert_array_equal(w, np.ones_like(w))
     assert state.batch == 20
+
+
+def test_callbacks_train_a_model_that_its_first_batch_builds():
+    """A model declared without an input shape (Horovod's MNIST examples) has no weights when training starts: the
+    callbacks train it, the broadcast comes after the first batch, warmup and metric averaging work as usual."""
+    r, n = hvd.rank(), hvd.size()
+    steps_per_epoch, lr = 3, 0.05 * n
+    keras.utils.set_random_seed(200 + r)  # the first batch creates different weights on every rank
+    model = keras.Sequential([keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(lr, momentum=0.5)), loss=loss_fn())
+    assert not model.built
+    after_first_batch, seen_lr, local_logs = [], [], []
+
+    class Probe(keras.callbacks.Callback):  # after the broadcast callback, before the average
+        def on_train_batch_begin(self, batch, logs=None):
+            seen_lr.append(float(np.asarray(self.model.optimizer.learning_rate)))
+
+        def on_train_batch_end(self, batch, logs=None):
+            if not after_first_batch:
+                variables = self.model.optimizer.variables
+                variables = variables() if callable(variables) else variables
+                after_first_batch.append([np.array(w) for w in self.model.get_weights()]
+                                         + [np.array(v) for v in variables])
+
+        def on_epoch_end(self, epoch, logs=None):
+            local_logs.append(dict(logs))
+
+    x, y = data(steps_per_epoch)
+    xs = x.reshape(-1, FEATURES)[r::n]
+    ys = (y.reshape(-1)[r::n] + r) % 3
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                 hvd.callbacks.LearningRateWarmupCallback(initial_lr=lr, warmup_epochs=1, verbose=1),
+                 Probe(),
+                 hvd.callbacks.MetricAverageCallback()]
+    history = model.fit(xs, ys, batch_size=len(xs) // steps_per_epoch, epochs=2, callbacks=callbacks, verbose=0,
+                        shuffle=False)
+    # right after the first batch every rank holds the root's weights, model and optimizer (momentum) alike
+    first = after_first_batch[0]
+    assert len(first) > len(model.get_weights())
+    for other in hvd.allgather_object(first):
+        for got, want in zip(other, first, strict=True):
+            np.testing.assert_array_equal(got, want)
+    # the warmup found its steps per epoch in fit's params and ran from lr/size up to lr
+    np.testing.assert_allclose(seen_lr[0], lr / n * (1 / steps_per_epoch * (n - 1) + 1), rtol=1e-5)
+    np.testing.assert_allclose(seen_lr[-1], lr, rtol=1e-6)
+    # the logs were averaged over the ranks
+    local = np.array([logs["loss"] for logs in local_logs])
+    np.testing.assert_allclose(history.history["loss"], np.mean(hvd.allgather_object(local.tolist()), 0), rtol=1e-5)
+    w = model.get_weights()
+    for other in hvd.allgather_object(w):
+        for got, want in zip(other, w, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_helpers_refuse_a_model_without_weights_yet():
+    """broadcast_global_variables and KerasState on an unbuilt model: a clear error, not a silent no-op."""
+    from hora.errors import ArgumentError
+
+    model = keras.Sequential([keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    with pytest.raises(ArgumentError, match="no weights yet.*keras.Input"):
+        hvd.broadcast_global_variables(0, model)
+    with pytest.raises(ArgumentError, match="KerasState.*no weights yet"):
+        hvd.elastic.KerasState(model, batch=0)
+    model.build((None, FEATURES))
+    hvd.broadcast_global_variables(0, model)  # built: fine

@@ -142,6 +142,24 @@ def test_broadcast_inplace_and_variables():
     np.testing.assert_array_equal(v.numpy(), np.full(4, hvd.size() - 1.0))  # already the last rank's
 
 
+def test_broadcast_variables_of_a_keras_model_inside_tf_function():
+    """Horovod's TF2 examples broadcast ``model.variables`` inside their tf.function step; with TF >= 2.16
+    ``tf.keras`` is Keras 3, whose variables are not tf.Variables."""
+    tf.keras.utils.set_random_seed(300 + hvd.rank())
+    model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(2)])
+    root = hvd.broadcast_object([np.array(w) for w in model.get_weights()], root_rank=0)
+
+    @tf.function
+    def step():
+        hvd.broadcast_variables(model.variables, root_rank=0)
+        return model(tf.ones((1, 3)))
+
+    out = step()
+    for got, want in zip(model.get_weights(), root, strict=True):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(out.numpy(), np.ones((1, 3)) @ root[0] + root[1], rtol=1e-6)
+
+
 @pytest.mark.parametrize("mode", ALL_MODES)
 def test_alltoall_uneven_splits(mode):
     r, n = hvd.rank(), hvd.size()
