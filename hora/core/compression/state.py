@@ -103,6 +103,26 @@ class TensorStateCompressor(StatefulCompressor):
             self._apply(None, state)
             self._pending = None
 
+    def shared_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict` without the per-rank residuals: what a root rank sends to the others."""
+        state = self.state_dict()
+        state["tensors"] = {name: {k: a for k, a in arrays.items() if k not in LOCAL_KEYS}
+                            for name, arrays in state["tensors"].items()}
+        return state
+
+    def load_shared_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a root's :meth:`shared_state_dict` and start every residual from zero.
+
+        What ``broadcast_optimizer_state`` and an elastic sync do, so that all
+        ranks agree on the step and the factors after a new rendezvous, and
+        none carries memory of a world that is gone.
+        """
+        for arrays in self._arrays().values():
+            for key, a in arrays.items():
+                if key in LOCAL_KEYS:
+                    ops_for(a).scale_(a, 0.0)
+        self.load_state_dict(state)
+
     def reset(self) -> None:
         """Forget all state (residuals, factors, the step counter); the next step starts afresh."""
         self.step = 0
