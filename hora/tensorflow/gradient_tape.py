@@ -7,9 +7,10 @@ from typing import Any
 
 import tensorflow as tf
 
+from hora.core.compression import is_stateful
 from hora.core.ops import ReduceOp
 from hora.core.runtime import ProcessSet, global_process_set
-from hora.tensorflow.compression import Compression
+from hora.tensorflow.compression import Compression, make_compressed_grads_fn
 from hora.tensorflow.gradients import make_allreduce_grads_fn, scale_local
 
 
@@ -43,8 +44,12 @@ class DistributedGradientTape:
         self.process_set = process_set
         self.scale_local_gradients = scale_local_gradients
         self._local_sources: set[Any] = set()
-        self._allreduce_grads = make_allreduce_grads_fn(compression, sparse_as_dense, op, gradient_predivide_factor,
-                                                        groups, process_set)
+        if is_stateful(compression):  # one call reduces the whole step (groups change nothing)
+            self._allreduce_grads = make_compressed_grads_fn(compression, sparse_as_dense, op,
+                                                             gradient_predivide_factor, process_set)
+        else:
+            self._allreduce_grads = make_allreduce_grads_fn(compression, sparse_as_dense, op, gradient_predivide_factor,
+                                                            groups, process_set)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tape, name)

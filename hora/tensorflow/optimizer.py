@@ -7,10 +7,11 @@ from typing import Any
 
 import tensorflow as tf
 
+from hora.core.compression import is_stateful
 from hora.core.ops import ReduceOp
 from hora.core.runtime import ProcessSet, global_process_set
 from hora.errors import UnsupportedError
-from hora.tensorflow.compression import Compression
+from hora.tensorflow.compression import Compression, make_compressed_grads_fn
 from hora.tensorflow.functions import broadcast_global_variables
 from hora.tensorflow.gradients import make_allreduce_grads_fn
 
@@ -73,8 +74,12 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
         if backward_passes_per_step != 1:
             raise UnsupportedError("backward_passes_per_step > 1 is not supported for tf.compat.v1 optimizers in "
                                    "hora; use a Keras optimizer or DistributedGradientTape")
-        fn = make_allreduce_grads_fn(compression, sparse_as_dense, op, gradient_predivide_factor, groups,
-                                     process_set)
+        if is_stateful(compression):  # one call reduces the whole step (groups change nothing)
+            fn = make_compressed_grads_fn(compression, sparse_as_dense, op, gradient_predivide_factor,
+                                         process_set)
+        else:
+            fn = make_allreduce_grads_fn(compression, sparse_as_dense, op, gradient_predivide_factor, groups,
+                                         process_set)
         return _DistributedOptimizerV1(optimizer, name, use_locking, fn)
     if _is_keras_optimizer(optimizer):
         from hora.tensorflow import keras as hvd_keras

@@ -134,6 +134,11 @@ class TensorStateCompressor(StatefulCompressor):
         engine = runtime.current().engine if runtime.is_initialized() else None
         own = engine is not None and state.get("rank") == engine.rank and state.get("size") == engine.size
         live = self._arrays()
+        unknown = sorted(set(state.get("tensors", {})) - set(live))
+        if unknown:
+            log.warning("compression state for %d tensor(s) matches no tensor reduced here, e.g. %r: it was saved "
+                        "under other names (another model, or parameters named differently) and is ignored",
+                        len(unknown), unknown[0])
         for name, arrays in state.get("tensors", {}).items():
             for key, value in arrays.items():
                 target = live.get(name, {}).get(key)
