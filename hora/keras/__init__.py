@@ -17,6 +17,7 @@ import numpy as np
 
 from hora._keras.numpy_collectives import allgather_arrays, allreduce_arrays, broadcast_arrays, variables_of
 from hora._keras.numpy_collectives import broadcast_variables as _broadcast_variables
+from hora._keras.optimizer import load_model as _load_model
 from hora.core import runtime as _runtime
 from hora.core.api import (
     Adasum,
@@ -36,6 +37,7 @@ from hora.core.api import (
     rank,
     size,
 )
+from hora.core.frontend import gradient_reduction as _gradient_reduction
 from hora.core.frontend import resolve_op
 from hora.core.objects import allgather_object, broadcast_object
 from hora.core.ops import ReduceOp
@@ -54,7 +56,6 @@ from hora.keras.optimizer import (
     DistributedOptimizer,
     PartialDistributedOptimizer,
     distributed_optimizer_classes,
-    make_reducer,
 )
 
 
@@ -163,15 +164,8 @@ def load_model(filepath: str, custom_optimizers: Sequence[type] | None = None,
     The saved optimizer's class is mapped to its distributed subclass, so its
     state (iterations, slots) is restored into the distributed optimizer.
     """
-    objects = distributed_optimizer_classes(custom_optimizers or ())
-    objects.update(custom_objects or {})
-    model = keras.models.load_model(filepath, custom_objects=objects, **kwargs)
-    opt = getattr(model, "optimizer", None)
-    if opt is not None and hasattr(type(opt), "hora_default_reducer"):
-        from hora._keras.optimizer import attach_reducer
-
-        attach_reducer(opt, make_reducer(compression))
-    return model
+    return _load_model(keras.models.load_model, filepath, distributed_optimizer_classes(custom_optimizers or ()),
+                       custom_objects, _gradient_reduction(compression=compression), **kwargs)
 
 
 from hora.keras import elastic  # noqa: E402  (hvd.elastic: Horovod's elastic API)

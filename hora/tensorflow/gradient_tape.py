@@ -7,11 +7,11 @@ from typing import Any
 
 import tensorflow as tf
 
-from hora.core.compression import is_stateful
+from hora.core.frontend import gradient_reduction
 from hora.core.ops import ReduceOp
 from hora.core.runtime import ProcessSet, global_process_set
-from hora.tensorflow.compression import Compression, make_compressed_grads_fn
-from hora.tensorflow.gradients import make_allreduce_grads_fn, scale_local
+from hora.tensorflow.compression import Compression
+from hora.tensorflow.gradients import reduce_gradients, scale_local
 
 
 def _flat(x: Any) -> list[Any]:
@@ -38,18 +38,13 @@ class DistributedGradientTape:
                  op: ReduceOp | int = ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0,
                  num_groups: int = 0, groups: int | Sequence[Sequence[tf.Variable]] | None = None,
                  process_set: ProcessSet = global_process_set, scale_local_gradients: bool = True) -> None:
-        if groups is None and num_groups:
-            groups = num_groups
+        self._reduction = gradient_reduction(op=op, gradient_predivide_factor=gradient_predivide_factor,
+                                             compression=compression, groups=groups, num_groups=num_groups,
+                                             sparse_as_dense=sparse_as_dense, process_set=process_set)
         self._tape = gradtape
         self.process_set = process_set
         self.scale_local_gradients = scale_local_gradients
         self._local_sources: set[Any] = set()
-        if is_stateful(compression):  # one call reduces the whole step (groups change nothing)
-            self._allreduce_grads = make_compressed_grads_fn(compression, sparse_as_dense, op,
-                                                             gradient_predivide_factor, process_set)
-        else:
-            self._allreduce_grads = make_allreduce_grads_fn(compression, sparse_as_dense, op, gradient_predivide_factor,
-                                                            groups, process_set)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tape, name)
@@ -71,7 +66,8 @@ class DistributedGradientTape:
         grads = self._tape.gradient(target, sources, output_gradients, **kwargs)
         flat_sources, flat_grads = _flat(sources), _flat(grads)
         reduce_idx = [i for i, s in enumerate(flat_sources) if _key(s) not in self._local_sources]
-        reduced = self._allreduce_grads([flat_grads[i] for i in reduce_idx], [flat_sources[i] for i in reduce_idx])
+        reduced = reduce_gradients([flat_grads[i] for i in reduce_idx], [flat_sources[i] for i in reduce_idx],
+                                   self._reduction)
         out = list(flat_grads)
         for i, g in zip(reduce_idx, reduced, strict=True):
             out[i] = g

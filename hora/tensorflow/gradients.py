@@ -1,86 +1,63 @@
-"""Averaging a list of gradients across ranks: what the tapes and optimizers of hora.tensorflow share.
+"""Reducing a list of gradients across ranks on TensorFlow: the one reduction of every optimizer and tape on it.
 
-Dense gradients travel as one grouped allreduce (one negotiation, one fused
-buffer and, inside a graph, one ``py_function`` call per step), or as
-``groups`` of them; ``IndexedSlices`` are allgathered unless
-``sparse_as_dense`` turns them into dense tensors first.
+``DistributedGradientTape``, the ``tf.compat.v1`` ``DistributedOptimizer``,
+and the Keras optimizers of ``hora.tensorflow.keras`` and of ``hora.keras`` on
+Keras's TensorFlow backend all reduce their gradients with
+:func:`reduce_gradients`, given a :class:`~hora.core.frontend.GradientReduction`
+built (and checked) once from Horovod's options.  Dense gradients travel as one
+grouped allreduce (one negotiation, one fused buffer and, inside a graph, one
+``py_function`` call per step), or as ``groups`` of them; ``IndexedSlices``
+are allgathered unless ``sparse_as_dense`` turns them into dense tensors first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
 
-from hora.core.frontend import resolve_op
-from hora.core.ops import ReduceOp
-from hora.core.runtime import ProcessSet, global_process_set
+from hora.core.compression import is_stateful
+from hora.core.frontend import GradientReduction
 from hora.tensorflow import mpi_ops
-from hora.tensorflow.compression import Compression
-
-GradientsFn = Callable[[Sequence[Any], Sequence[Any] | None], list[Any]]
+from hora.tensorflow.compression import reduce_compressed
 
 
-def _split(items: list[Any], n: int) -> list[list[Any]]:
-    size = -(-len(items) // n)
-    return [items[i: i + size] for i in range(0, len(items), size)]
+@tf.autograph.experimental.do_not_convert
+def reduce_gradients(grads: Sequence[Any], variables: Sequence[Any] | None,
+                     reduction: GradientReduction) -> list[Any]:
+    """``grads`` reduced across the process set of ``reduction``, in their order; ``None`` gradients stay ``None``.
 
-
-def make_allreduce_grads_fn(compression: Any = Compression.none, sparse_as_dense: bool = False,
-                            op: ReduceOp | int = ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0,
-                            groups: int | Sequence[Sequence[tf.Variable]] | None = None,
-                            process_set: ProcessSet = global_process_set) -> GradientsFn:
-    """A function ``(grads, variables) -> reduced grads`` with Horovod's DistributedOptimizer options.
-
-    ``None`` gradients stay ``None``.  With a single-rank process set, or on a
-    rank outside it, gradients are returned unchanged, as in Horovod.
+    The compressor of ``reduction`` is applied here, once per dense gradient
+    (``IndexedSlices`` travel uncompressed, as in Horovod).  With a
+    single-rank process set, or on a rank outside it, gradients are returned
+    unchanged, as in Horovod.  ``variables`` are the gradients' variables,
+    needed only when ``groups`` names variables.
 
     Raises:
-        ValueError: ``gradient_predivide_factor`` with an op other than Average.
+        ValueError: ``groups`` names variables but ``variables`` is None.
     """
-    op = resolve_op(None, op)
-    if gradient_predivide_factor != 1.0 and op != ReduceOp.AVERAGE:
-        raise ValueError("gradient_predivide_factor is only valid with op=hvd.Average")
-    prescale, postscale = 1.0 / gradient_predivide_factor, float(gradient_predivide_factor)
-    compression = compression or Compression.none
-
-    def reduce_group(grads: list[Any]) -> list[Any]:
-        return mpi_ops.grouped_allreduce(grads, compression=compression, op=op, prescale_factor=prescale,
-                                         postscale_factor=postscale, process_set=process_set)
-
-    def allreduce_grads(grads: Sequence[Any], variables: Sequence[Any] | None = None) -> list[Any]:
-        grads = list(grads)
-        ranks = process_set.ranks
-        if ranks is not None and (len(ranks) <= 1 or not process_set.included()):
-            return grads
-        if sparse_as_dense:
-            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
-        present = [i for i, g in enumerate(grads) if g is not None]
-        if not present:
-            return grads
-        if isinstance(groups, int) and groups > 0:
-            index_groups = _split(present, groups)
-        elif groups is not None and not isinstance(groups, int):
-            if variables is None:
-                raise ValueError("groups given as lists of variables need the variables of the gradients")
-            where = {id(v): i for i, v in enumerate(variables)}
-            index_groups, taken = [], set()
-            for group in groups:
-                idx = [where[id(v)] for v in group if id(v) in where and grads[where[id(v)]] is not None]
-                taken.update(idx)
-                if idx:
-                    index_groups.append(idx)
-            index_groups += [[i] for i in present if i not in taken]
-        else:
-            index_groups = [present]
-        out = list(grads)
-        for idx in index_groups:
-            for i, r in zip(idx, reduce_group([grads[i] for i in idx]), strict=True):
-                out[i] = r
-        return out
-
-    return allreduce_grads
+    grads = list(grads)
+    if reduction.skips():
+        return grads
+    if is_stateful(reduction.compression):  # PowerSGD, error feedback: the whole step in one call
+        return reduce_compressed(grads, variables, reduction)
+    if reduction.sparse_as_dense:
+        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    compression = reduction.compression
+    out = list(grads)
+    for idx in reduction.index_groups(grads, variables):
+        group = [grads[i] for i in idx]
+        ctxs = [None] * len(group)
+        if compression is not None:
+            for j, g in enumerate(group):
+                if not isinstance(g, tf.IndexedSlices):
+                    group[j], ctxs[j] = compression.compress(g)
+        reduced = mpi_ops.allreduce_group(group, op=reduction.op, prescale_factor=reduction.prescale,
+                                          postscale_factor=reduction.postscale, process_set=reduction.process_set)
+        for i, r, g, ctx in zip(idx, reduced, group, ctxs, strict=True):
+            out[i] = r if compression is None or isinstance(g, tf.IndexedSlices) else compression.decompress(r, ctx)
+    return out
 
 
 def scale_local(grad: Any, size: int) -> Any:
@@ -92,4 +69,4 @@ def scale_local(grad: Any, size: int) -> Any:
     return grad / tf.cast(size, grad.dtype)
 
 
-__all__ = ["make_allreduce_grads_fn", "scale_local"]
+__all__ = ["reduce_gradients", "scale_local"]

@@ -431,8 +431,8 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
                       prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set, name=None):
     """Reduce a list of tensors as one unit: one negotiation, one fused collective.
 
-    ``IndexedSlices`` in the list are allgathered one by one; the dense
-    tensors travel together.
+    ``IndexedSlices`` in the list are allgathered one by one, uncompressed; the
+    dense tensors travel together.
     """
     from hora.tensorflow.compression import Compression
 
@@ -443,6 +443,24 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     except UnsupportedError as e:
         raise NotImplementedError(str(e)) from e
     compression = compression or Compression.none
+    pairs = [(t, None) if isinstance(t, tf.IndexedSlices) else compression.compress(tf.convert_to_tensor(t))
+             for t in tensors]
+    outs = allreduce_group([c for c, _ in pairs], op=op, prescale_factor=prescale_factor,
+                           postscale_factor=postscale_factor, process_set=process_set, name=name)
+    return [o if isinstance(t, tf.IndexedSlices) else compression.decompress(o, ctx)
+            for t, o, (_, ctx) in zip(tensors, outs, pairs, strict=True)]
+
+
+@_plain_python
+def allreduce_group(tensors: Sequence[Any], *, op: ReduceOp, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set,
+                    name: str | None = None) -> list[Any]:
+    """Reduce a list of tensors as one unit with an operator already resolved, and no compression.
+
+    What :func:`grouped_allreduce` and the gradient reductions of
+    :mod:`hora.tensorflow.gradients` submit: the dense tensors go as one
+    grouped allreduce, ``IndexedSlices`` are allgathered one by one.
+    """
     results: list[Any] = [None] * len(tensors)
     dense_idx = []
     for i, t in enumerate(tensors):
@@ -452,12 +470,10 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
             dense_idx.append(i)
     if dense_idx:
         dense = [tf.convert_to_tensor(tensors[i]) for i in dense_idx]
-        pairs = [compression.compress(t) for t in dense]
-        gname = _graph_name("HorovodGroupedAllreduce", dense[0], name)
-        outs = _grouped_allreduce_tensors([c for c, _ in pairs], gname, op, prescale_factor, postscale_factor,
-                                          process_set)
-        for i, o, (_, ctx) in zip(dense_idx, outs, pairs, strict=True):
-            results[i] = compression.decompress(o, ctx)
+        outs = _grouped_allreduce_tensors(dense, _graph_name("HorovodGroupedAllreduce", dense[0], name), op,
+                                          prescale_factor, postscale_factor, process_set)
+        for i, o in zip(dense_idx, outs, strict=True):
+            results[i] = o
     return results
 
 
@@ -807,7 +823,7 @@ def cross_size_op(name: str | None = None) -> tf.Tensor:
 
 __all__ = [
     "Adasum", "Average", "CollectiveFailedError", "InvalidArgumentsError", "Max", "Min", "Product", "Sum",
-    "TF_ADAPTER", "allgather", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_", "cross_rank_op",
-    "cross_size_op", "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "join", "local_rank_op",
-    "local_size_op", "process_set_included_op", "rank_op", "reducescatter", "size_op",
+    "TF_ADAPTER", "allgather", "allreduce", "allreduce_group", "alltoall", "barrier", "broadcast", "broadcast_",
+    "cross_rank_op", "cross_size_op", "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "join",
+    "local_rank_op", "local_size_op", "process_set_included_op", "rank_op", "reducescatter", "size_op",
 ]

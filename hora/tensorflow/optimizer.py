@@ -7,13 +7,13 @@ from typing import Any
 
 import tensorflow as tf
 
-from hora.core.compression import is_stateful
+from hora.core.frontend import GradientReduction, gradient_reduction
 from hora.core.ops import ReduceOp
 from hora.core.runtime import ProcessSet, global_process_set
 from hora.errors import UnsupportedError
-from hora.tensorflow.compression import Compression, make_compressed_grads_fn
+from hora.tensorflow.compression import Compression
 from hora.tensorflow.functions import broadcast_global_variables
-from hora.tensorflow.gradients import make_allreduce_grads_fn
+from hora.tensorflow.gradients import reduce_gradients
 
 log = logging.getLogger(__name__)
 
@@ -22,16 +22,16 @@ class _DistributedOptimizerV1(tf.compat.v1.train.Optimizer):
     """A ``tf.compat.v1.train.Optimizer`` whose ``compute_gradients`` averages the gradients across ranks."""
 
     def __init__(self, optimizer: tf.compat.v1.train.Optimizer, name: str | None, use_locking: bool,
-                 allreduce_grads: Any) -> None:
+                 reduction: GradientReduction) -> None:
         self._optimizer = optimizer
-        self._allreduce_grads = allreduce_grads
+        self._reduction = reduction
         super().__init__(name=name or f"Distributed{type(optimizer).__name__}", use_locking=use_locking)
 
     def compute_gradients(self, *args: Any, **kwargs: Any) -> list[tuple[Any, Any]]:
         """The wrapped optimizer's ``(gradient, variable)`` pairs with the gradients reduced across ranks."""
         pairs = self._optimizer.compute_gradients(*args, **kwargs)
         grads, variables = zip(*pairs, strict=True) if pairs else ((), ())
-        reduced = self._allreduce_grads(list(grads), list(variables))
+        reduced = reduce_gradients(grads, variables, self._reduction)
         return list(zip(reduced, variables, strict=True))
 
     def apply_gradients(self, *args: Any, **kwargs: Any) -> Any:
@@ -68,19 +68,14 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
         UnsupportedError: ``backward_passes_per_step > 1`` with a TF1 optimizer.
         ValueError: an object that is neither kind of optimizer.
     """
-    if groups is None and num_groups:
-        groups = num_groups
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         if backward_passes_per_step != 1:
             raise UnsupportedError("backward_passes_per_step > 1 is not supported for tf.compat.v1 optimizers in "
                                    "hora; use a Keras optimizer or DistributedGradientTape")
-        if is_stateful(compression):  # one call reduces the whole step (groups change nothing)
-            fn = make_compressed_grads_fn(compression, sparse_as_dense, op, gradient_predivide_factor,
-                                         process_set)
-        else:
-            fn = make_allreduce_grads_fn(compression, sparse_as_dense, op, gradient_predivide_factor, groups,
-                                         process_set)
-        return _DistributedOptimizerV1(optimizer, name, use_locking, fn)
+        reduction = gradient_reduction(op=op, gradient_predivide_factor=gradient_predivide_factor,
+                                       compression=compression, groups=groups, num_groups=num_groups,
+                                       sparse_as_dense=sparse_as_dense, process_set=process_set)
+        return _DistributedOptimizerV1(optimizer, name, use_locking, reduction)
     if _is_keras_optimizer(optimizer):
         from hora.tensorflow import keras as hvd_keras
 
@@ -88,7 +83,8 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
             optimizer, name=name, compression=compression, sparse_as_dense=sparse_as_dense,
             backward_passes_per_step=backward_passes_per_step, op=op,
             gradient_predivide_factor=gradient_predivide_factor,
-            average_aggregated_gradients=average_aggregated_gradients, groups=groups, process_set=process_set)
+            average_aggregated_gradients=average_aggregated_gradients, groups=groups, process_set=process_set,
+            num_groups=num_groups)
     raise ValueError(f"DistributedOptimizer expects a tf.compat.v1.train.Optimizer or a Keras optimizer, "
                      f"got {type(optimizer).__name__}")
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from hora.core.frontend import resolve_op, warmup_multiplier
+from hora.core.frontend import GradientReduction, gradient_reduction, resolve_op, warmup_multiplier
 from hora.core.ops import ReduceOp
+from hora.core.runtime import ProcessSet
 from hora.errors import UnsupportedError
 
 
@@ -24,6 +25,47 @@ def test_resolve_op():
         resolve_op(True, ReduceOp.SUM)
     with pytest.raises(UnsupportedError, match="Adasum"):
         resolve_op(None, ReduceOp.ADASUM)
+
+
+def test_gradient_reduction_checks_horovods_options_once():
+    r = gradient_reduction(op=None, gradient_predivide_factor=4.0, num_groups=3)
+    assert (r.op, r.prescale, r.postscale, r.groups) == (ReduceOp.AVERAGE, 0.25, 4.0, 3)
+    assert gradient_reduction(groups=[["v"]], num_groups=3).groups == [["v"]]  # groups wins over num_groups
+    with pytest.raises(ValueError, match="gradient_predivide_factor is only valid with op=hvd.Average"):
+        gradient_reduction(op=ReduceOp.SUM, gradient_predivide_factor=2.0)
+    with pytest.raises(UnsupportedError, match="Adasum"):
+        gradient_reduction(op=ReduceOp.ADASUM)
+    with pytest.raises(TypeError):
+        GradientReduction(ReduceOp.SUM)  # keywords only: a positional mix-up cannot pass silently
+
+
+def test_gradient_groups_are_the_present_gradients_in_order():
+    grads = ["g0", None, "g2", "g3", "g4"]
+    variables = ["v0", "v1", "v2", "v3", "v4"]
+    assert GradientReduction().index_groups(grads, variables) == [[0, 2, 3, 4]]
+    assert GradientReduction(groups=0).index_groups(grads, None) == [[0, 2, 3, 4]]
+    assert GradientReduction(groups=2).index_groups(grads, None) == [[0, 2], [3, 4]]
+    assert GradientReduction(groups=3).index_groups(grads, None) == [[0, 2], [3, 4]]
+    assert GradientReduction(groups=9).index_groups(grads, None) == [[0], [2], [3], [4]]
+    # lists of variables travel together, in the order given; the rest one by one; a None gradient is left out
+    by_vars = GradientReduction(groups=[[variables[4], variables[0], variables[1]]])
+    assert by_vars.index_groups(grads, variables) == [[4, 0], [2], [3]]
+    assert GradientReduction().index_groups([None, None], None) == []
+    with pytest.raises(ValueError, match="need the variables"):
+        by_vars.index_groups(grads, None)
+
+
+def test_a_single_rank_set_skips_the_reduction():
+    assert GradientReduction(process_set=ProcessSet([0])).skips()
+    assert not GradientReduction().skips()  # the global set before init: not known to be one rank
+
+
+def test_keras_predivide_with_sum_is_refused():
+    keras = pytest.importorskip("keras")
+    import hora.keras as hvd
+
+    with pytest.raises(ValueError, match="only valid with op=hvd.Average"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Sum, gradient_predivide_factor=2.0)
 
 
 def test_keras_on_jax_is_refused_with_the_fix(monkeypatch):

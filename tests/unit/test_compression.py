@@ -25,9 +25,12 @@ FAMILIES = ["numpy", "torch"]
 
 @pytest.fixture(scope="module", autouse=True)
 def engine():
+    # init() fills in the global set's ranks and shutdown() keeps them: put back what later tests expect.
+    before = (hvd.global_process_set.ranks, hvd.global_process_set.process_set_id)
     hvd.init()
     yield
     hvd.shutdown()
+    hvd.global_process_set.ranks, hvd.global_process_set.process_set_id = before
 
 
 def _as(family: str, a: np.ndarray):

@@ -26,7 +26,8 @@ FORBIDDEN = {
     "hora/torch": (*(b for b in _BINDINGS if b != "hora.torch"), "hora.runner", *_COMMANDS),
     "hora/tensorflow": (*(b for b in _BINDINGS if b != "hora.tensorflow"), "hora.runner", *_COMMANDS),
     "hora/mxnet": (*(b for b in _BINDINGS if b != "hora.mxnet"), "hora.runner", *_COMMANDS),
-    # Keras 3 on its TensorFlow backend reduces inside TF graphs, with hora.tensorflow's graph ops
+    # the one exception, one way (docs/design.md): Keras 3 on its TensorFlow backend reduces inside TF graphs,
+    # with hora.tensorflow's graph ops; test_hora_keras_loads_hora_tensorflow_only_when_it_runs_on_it below
     "hora/keras": ("hora.torch", "hora.mxnet", "hora.runner", *_COMMANDS),
     # what hora.keras and hora.tensorflow.keras share: no binding, no framework (checked below)
     "hora/_keras": (*_BINDINGS, "hora.runner", *_COMMANDS),
@@ -118,6 +119,14 @@ def test_a_binding_imports_only_its_own_framework(binding):
     bad = [f"{f.relative_to(PKG.parent)} imports {name}" for f in _files(binding) for name in _imports(f)
            if _matches(name, others)]
     assert not bad, "\n".join(bad)
+
+
+def test_hora_keras_loads_hora_tensorflow_only_when_it_runs_on_it():
+    """hora.keras may import hora.tensorflow (the one binding-to-binding import), but only inside functions:
+    Keras 3 on torch must not load it."""
+    bad = [f"{f.relative_to(PKG.parent)} imports {name}" for f in _files("hora/keras")
+           for name in _module_level_imports(f) if _matches(name, ("hora.tensorflow",))]
+    assert _files("hora/keras") and not bad, "\n".join(bad)
 
 
 def test_importing_the_framework_neutral_layers_imports_no_framework():

@@ -18,6 +18,7 @@ from hora.core.compression.base import (
     FP16Compressor,
     NoneCompressor,
     StatefulCompressor,
+    gradient_name,
     is_stateful,
 )
 from hora.core.compression.feedback import ErrorFeedback
@@ -60,4 +61,5 @@ def parse_spec(spec: str) -> Compressor | StatefulCompressor | type:
 
 
 __all__ = ["BF16Compressor", "Compression", "Compressor", "ErrorFeedback", "FP16Compressor", "NoneCompressor",
-           "PowerSGD", "StatefulCompressor", "TensorStateCompressor", "is_stateful", "parse_spec"]
+           "PowerSGD", "StatefulCompressor", "TensorStateCompressor", "gradient_name", "is_stateful",
+           "parse_spec"]

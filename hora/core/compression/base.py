@@ -169,10 +169,21 @@ class StatefulCompressor(abc.ABC):
         return f"{self.settings().get('kind', type(self).__name__)}({args})"
 
 
+def gradient_name(index: int, variable: Any = None) -> str:
+    """The name a stateful compressor keeps a gradient's state under: its position and its variable's name.
+
+    Keras variables give their ``path`` (stable across processes), TensorFlow
+    variables their ``name``; without a variable the position alone.
+    """
+    if variable is None:
+        return f"grad.{index}"
+    return f"{index}.{getattr(variable, 'path', None) or getattr(variable, 'name', 'var')}"
+
+
 def is_stateful(compression: Any) -> bool:
     """True for a :class:`StatefulCompressor` (or anything that declares ``stateful = True`` and ``reduce``)."""
     return bool(getattr(compression, "stateful", False)) and hasattr(compression, "reduce")
 
 
 __all__ = ["BF16Compressor", "Compressor", "FLOAT_DTYPES", "FP16Compressor", "NoneCompressor",
-           "StatefulCompressor", "is_stateful"]
+           "StatefulCompressor", "gradient_name", "is_stateful"]

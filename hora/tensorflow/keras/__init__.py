@@ -14,10 +14,11 @@ from typing import Any
 
 import tensorflow as tf
 
-from hora._keras.aggregation import AggregationOps, LocalAggregation, keras3_ops
+from hora._keras import optimizer as _distributed
+from hora._keras.aggregation import AggregationOps, keras3_ops
 from hora._keras.numpy_collectives import broadcast_variables as _broadcast_keras_variables
 from hora._keras.numpy_collectives import variables_of
-from hora._keras.optimizer import attach_aggregation, attach_reducer, distributed_class
+from hora.core.frontend import gradient_reduction as _gradient_reduction
 from hora.core.ops import ReduceOp
 from hora.core.runtime import ProcessSet, global_process_set
 from hora.tensorflow import (  # noqa: F401  (the topology and collectives are hora.tensorflow's)
@@ -50,7 +51,7 @@ from hora.tensorflow import (  # noqa: F401  (the topology and collectives are h
     size,
 )
 from hora.tensorflow import broadcast_global_variables as _tf_broadcast_global_variables
-from hora.tensorflow.gradients import make_allreduce_grads_fn
+from hora.tensorflow.gradients import reduce_gradients as _reduce_gradients
 from hora.tensorflow.keras import callbacks
 
 
@@ -78,29 +79,24 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
     applies them every N steps, with Keras 3 and tf_keras alike.
 
     Raises:
-        ValueError: ``backward_passes_per_step < 1``.
+        ValueError: ``backward_passes_per_step < 1``, or ``gradient_predivide_factor``
+            with an op other than Average.
     """
-    if backward_passes_per_step < 1:
-        raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
-    if groups is None and num_groups:
-        groups = num_groups
-    config = optimizer.get_config()
-    if name is not None:
-        config["name"] = name
     hook = _hook(type(optimizer))
-    cls = distributed_class(type(optimizer), hook, make_allreduce_grads_fn)
-    dist = cls.from_config(config)
-    attach_reducer(dist, make_allreduce_grads_fn(compression, sparse_as_dense, op, gradient_predivide_factor,
-                                                 groups, process_set))
-    if backward_passes_per_step > 1:
-        if hook == "apply":  # Keras 3 behind tf.keras: its own variables and ops, as hora.keras does
-            import keras
+    reduction = _gradient_reduction(op=op, gradient_predivide_factor=gradient_predivide_factor,
+                                    compression=compression, groups=groups, num_groups=num_groups,
+                                    sparse_as_dense=sparse_as_dense, process_set=process_set)
+    return _distributed.make_distributed(optimizer, hook=hook, reduce=_reduce_gradients, reduction=reduction, name=name,
+                            backward_passes_per_step=backward_passes_per_step,
+                            average_aggregated_gradients=average_aggregated_gradients,
+                            aggregation_ops=_keras3_ops if hook == "apply" else lambda: _TF_AGGREGATION_OPS)
 
-            ops = keras3_ops(keras, tf.convert_to_tensor)
-        else:
-            ops = _TF_AGGREGATION_OPS
-        attach_aggregation(dist, LocalAggregation(backward_passes_per_step, average_aggregated_gradients, ops))
-    return dist
+
+def _keras3_ops() -> AggregationOps:
+    """Local aggregation for Keras 3 behind ``tf.keras``: its own variables and ops, as hora.keras does."""
+    import keras
+
+    return keras3_ops(keras, tf.convert_to_tensor)
 
 
 def _variable(initial_value: Any) -> tf.Variable:
@@ -123,12 +119,7 @@ _TF_AGGREGATION_OPS = AggregationOps(
 def PartialDistributedOptimizer(optimizer: Any, name: str | None = None, local_layers: Any = None,
                                 **kwargs: Any) -> Any:
     """A :func:`DistributedOptimizer` whose ``local_layers``' variables keep their local gradients."""
-    dist = DistributedOptimizer(optimizer, name=name, **kwargs)
-    layers = local_layers if isinstance(local_layers, list | tuple) else [local_layers] if local_layers else []
-    for layer in layers:
-        for var in layer.trainable_weights:
-            dist.register_local_var(var)
-    return dist
+    return _distributed.register_local_layers(DistributedOptimizer(optimizer, name=name, **kwargs), local_layers)
 
 
 def broadcast_variables(variables: Sequence[Any], root_rank: int,
@@ -149,20 +140,15 @@ def _optimizer_classes(custom_optimizers: Sequence[type]) -> dict[str, type]:
     base = tf.keras.optimizers.Optimizer
     classes = [c for c in vars(tf.keras.optimizers).values() if isinstance(c, type) and issubclass(c, base)]
     classes += list(custom_optimizers)
-    return {c.__name__: distributed_class(c, _hook(c), make_allreduce_grads_fn) for c in classes}
+    return {c.__name__: _distributed.distributed_class(c, _hook(c), _reduce_gradients) for c in classes}
 
 
 def load_model(filepath: str, custom_optimizers: Sequence[type] | None = None,
                custom_objects: dict[str, Any] | None = None, compression: Any = Compression.none,
                **kwargs: Any) -> Any:
     """``tf.keras.models.load_model`` whose compiled optimizer comes back as a ``DistributedOptimizer``."""
-    objects = _optimizer_classes(custom_optimizers or ())
-    objects.update(custom_objects or {})
-    model = tf.keras.models.load_model(filepath, custom_objects=objects, **kwargs)
-    opt = getattr(model, "optimizer", None)
-    if opt is not None and hasattr(type(opt), "hora_default_reducer"):
-        attach_reducer(opt, make_allreduce_grads_fn(compression))
-    return model
+    return _distributed.load_model(tf.keras.models.load_model, filepath, _optimizer_classes(custom_optimizers or ()),
+                       custom_objects, _gradient_reduction(compression=compression), **kwargs)
 
 
 from hora.tensorflow.keras import elastic  # noqa: E402  (hvd.elastic: Horovod's elastic API)

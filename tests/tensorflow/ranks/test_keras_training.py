@@ -125,6 +125,8 @@ def test_best_model_checkpoint_writes_on_rank_zero_only(tmp_path):
 
 
 def test_load_model_rewraps_the_optimizer(tmp_path):
+    from hora._keras.optimizer import is_distributed
+
     model = make_model(0)
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss=loss_fn())
     x, y = data(2)
@@ -134,7 +136,7 @@ def test_load_model_rewraps_the_optimizer(tmp_path):
     model.save(str(path))
     loaded = hvd.load_model(str(path))
     assert type(loaded.optimizer).__name__ == "Adam"
-    assert hasattr(type(loaded.optimizer), "hora_default_reducer")
+    assert is_distributed(loaded.optimizer)
     loaded.train_on_batch(x[1][r * BATCH:(r + 1) * BATCH], y[1][r * BATCH:(r + 1) * BATCH])
     w = loaded.get_weights()[0]
     for other in hvd.allgather_object(w):
@@ -145,14 +147,13 @@ def test_load_model_rewraps_the_optimizer(tmp_path):
 def test_backward_passes_per_step_applies_every_n_steps(run_eagerly):
     """backward_passes_per_step=2: nothing applied on the first step, the mean of both global batches' gradients on
     the second, and one grouped allreduce per 2 steps (counted on the eager step, where Python runs each time)."""
-    from hora._keras.optimizer import attach_reducer, reducer_of
-
     model = make_model(0)
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2,
                                    average_aggregated_gradients=True)
     calls = []
-    reducer = reducer_of(opt)
-    attach_reducer(opt, lambda grads, variables=None: calls.append(1) or reducer(grads, variables))
+    reduce = opt.hora_reduce  # the backend's reduction, counted on this instance
+    object.__setattr__(opt, "hora_reduce", lambda grads, variables, reduction: calls.append(1)
+                       or reduce(grads, variables, reduction))
     model.compile(optimizer=opt, loss=loss_fn(), run_eagerly=run_eagerly)
     reference = make_model(0)
     reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss_fn())
@@ -195,6 +196,40 @@ def test_aggregated_gradients_are_summed_unless_averaged():
     # -(sum of the steps' mean-over-ranks gradients) = -(sum(steps) + 6 * mean(ranks))
     np.testing.assert_allclose(np.asarray(w), -np.full(2, sum(range(6)) + 6 * (n - 1) / 2), rtol=1e-6)
     assert int(np.asarray(opt.iterations)) == 6
+
+
+@pytest.mark.parametrize("groups", ["count", "variables"])
+def test_groups_compression_and_predivide_on_every_backend(monkeypatch, groups):
+    """``groups`` splits a step's gradients into grouped allreduces on Keras 3 (TensorFlow and torch) and tf_keras;
+    with fp16 compression and a predivide factor the result is still the average."""
+    from hora.core import collectives
+    from hora.core.ops import CollectiveType
+
+    r, n = hvd.rank(), hvd.size()
+    make = tf.Variable if FLAVOUR == "tfkeras" else keras.Variable
+    variables = [make(np.zeros(k, np.float32)) for k in (2, 3, 4)]
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), compression=hvd.Compression.fp16,
+                                   gradient_predivide_factor=2.0,
+                                   groups=3 if groups == "count" else [[variables[2], variables[0]]])
+    sent = []
+    submit = collectives.submit
+
+    def counting(kind, tensors, **kwargs):
+        if kind == CollectiveType.ALLREDUCE:
+            sent.append([str(np.asarray(t).dtype) for t in tensors])
+        return submit(kind, tensors, **kwargs)
+
+    monkeypatch.setattr(collectives, "submit", counting)
+    grads = [np.full(k, float(r + 1), np.float32) for k in (2, 3, 4)]
+    if FLAVOUR == "tfkeras":
+        opt.apply_gradients([(tf.constant(g), v) for g, v in zip(grads, variables, strict=True)])
+    else:
+        opt.apply([keras.ops.convert_to_tensor(g) for g in grads], variables)
+    for v in variables:
+        np.testing.assert_allclose(np.asarray(v), -(n + 1) / 2)  # lr 1 x the mean of 1..n
+    expected = [1, 1, 1] if groups == "count" else [2, 1]
+    assert sorted((len(dtypes) for dtypes in sent), reverse=True) == expected, sent
+    assert all(d == "float16" for dtypes in sent for d in dtypes), sent
 
 
 @pytest.mark.skipif(FLAVOUR != "tfkeras", reason="Horovod's _compute_gradients is a tf_keras optimizer method")
