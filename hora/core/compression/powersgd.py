@@ -208,7 +208,7 @@ class PowerSGD(TensorStateCompressor):
         total = sum(ops.numel(t) for t in parts)
         flat = g.pflat if ops.numel(g.pflat) >= total else ops.empty([total], g.dtype, g.device)
         ops.pack(parts, flat[:total])
-        allreduce_flat(flat[:total], ops, f"compression.powersgd.plain.{g.tag}", op=op, prescale=prescale,
+        allreduce_flat(flat[:total], ops, f"compression.powersgd{self.rank}.plain.{g.tag}", op=op, prescale=prescale,
                        postscale=postscale, process_set=process_set)
         ops.unpack(flat[:total], parts)
 
@@ -228,14 +228,14 @@ class PowerSGD(TensorStateCompressor):
         g.plain_layout.pack(ops, plain, tail)
         # The P ride with the uncompressed tensors under the caller's op and scales: scaling a P changes
         # nothing, since it is orthonormalized next.
-        allreduce_flat(g.pflat, ops, f"compression.powersgd.P.{g.tag}", op=op, prescale=prescale,
+        allreduce_flat(g.pflat, ops, f"compression.powersgd{self.rank}.P.{g.tag}", op=op, prescale=prescale,
                        postscale=postscale, process_set=process_set)
         g.plain_layout.unpack(ops, tail, plain)
         for b in g.batches:
             p = b.p(g.pflat, ops)
             ops.orthonormalize_(p)
             ops.matmul_(b.memory, p, b.q(g.qflat, ops), transpose_a=True)
-        allreduce_flat(g.qflat, ops, f"compression.powersgd.Q.{g.tag}", op=ReduceOp.AVERAGE,
+        allreduce_flat(g.qflat, ops, f"compression.powersgd{self.rank}.Q.{g.tag}", op=ReduceOp.AVERAGE,
                        process_set=process_set)
         factor = prescale * postscale * (set_size(process_set) if op == ReduceOp.SUM else 1)
         for b in g.batches:
