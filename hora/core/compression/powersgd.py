@@ -59,9 +59,11 @@ class _Batch:
         return ops.reshape(flat[self.p_offset : self.p_offset + self.count * self.n * self.r],
                            (self.count, self.n, self.r))
 
-    def q(self, flat: Array, ops: ArrayOps) -> Array:
+    def qt(self, flat: Array, ops: ArrayOps) -> Array:
+        # Q is kept transposed, (r, m) per matrix: every product then reads M row by row (M^T P with M
+        # transposed took 45x longer than P^T M in torch's batched matmul at rank 2, VGG16's 4096 x 25088).
         return ops.reshape(flat[self.q_offset : self.q_offset + self.count * self.m * self.r],
-                           (self.count, self.m, self.r))
+                           (self.count, self.r, self.m))
 
 
 @dataclasses.dataclass(slots=True)
@@ -175,10 +177,10 @@ class PowerSGD(TensorStateCompressor):
                 continue
             ops = ops_for(g.qflat)
             for b in g.batches:
-                qs = b.q(g.qflat, ops)
+                qs = b.qt(g.qflat, ops)
                 mem = b.memory
                 for j, name in enumerate(b.names):
-                    entry = {"q": qs[j]}
+                    entry = {"q": qs[j]}  # Q transposed: (rank, m)
                     if self.error_feedback:
                         entry["residual"] = ops.reshape(mem[j], b.shapes[j])  # saved in the gradient's shape
                     out[name] = entry
@@ -222,7 +224,7 @@ class PowerSGD(TensorStateCompressor):
         for b in g.batches:
             # With error feedback the memory holds last step's residual: M = gradient + residual.
             ops.stack_([tensors[i] for i in b.index], b.memory, accumulate=self.error_feedback)
-            ops.matmul_(b.memory, b.q(g.qflat, ops), b.p(g.pflat, ops))
+            ops.matmul_(b.memory, b.qt(g.qflat, ops), b.p(g.pflat, ops), transpose_b=True)
         plain = [tensors[i] for i in g.plain]
         tail = g.pflat[g.p_total:]
         g.plain_layout.pack(ops, plain, tail)
@@ -234,7 +236,7 @@ class PowerSGD(TensorStateCompressor):
         for b in g.batches:
             p = b.p(g.pflat, ops)
             ops.orthonormalize_(p)
-            ops.matmul_(b.memory, p, b.q(g.qflat, ops), transpose_a=True)
+            ops.matmul_(p, b.memory, b.qt(g.qflat, ops), transpose_a=True)  # Q^T = P^T M
         allreduce_flat(g.qflat, ops, f"compression.powersgd{self.rank}.Q.{g.tag}", op=ReduceOp.AVERAGE,
                        process_set=process_set)
         factor = prescale * postscale * (set_size(process_set) if op == ReduceOp.SUM else 1)
@@ -244,7 +246,7 @@ class PowerSGD(TensorStateCompressor):
                 approx = ops.reshape(g.scratch[: b.count * b.n * b.m], (b.count, b.n, b.m))
             else:
                 approx = b.memory  # not needed any more: the approximation overwrites it
-            ops.matmul_(b.p(g.pflat, ops), b.q(g.qflat, ops), approx, transpose_b=True)
+            ops.matmul_(b.p(g.pflat, ops), b.qt(g.qflat, ops), approx)
             if self.error_feedback:
                 ops.add_(b.memory, approx, alpha=-1.0)
             ops.unstack_(approx, [tensors[i] for i in b.index], factor)
