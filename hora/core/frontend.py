@@ -113,10 +113,12 @@ def gradient_reduction(*, op: ReduceOp | int | None = ReduceOp.AVERAGE, gradient
     ``num_groups`` is Horovod's older name for an integer ``groups``.
 
     Raises:
-        ValueError: ``gradient_predivide_factor`` other than 1 with an op other than Average.
+        ValueError: ``gradient_predivide_factor`` not above 0, or other than 1 with an op other than Average.
         UnsupportedError: ``op=Adasum``.
     """
     op = resolve_op(None, op)
+    if not gradient_predivide_factor > 0:
+        raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} must be > 0")
     if gradient_predivide_factor != 1.0 and op != ReduceOp.AVERAGE:
         raise ValueError("gradient_predivide_factor is only valid with op=hvd.Average")
     if groups is None and num_groups:

@@ -33,6 +33,8 @@ def test_gradient_reduction_checks_horovods_options_once():
     assert gradient_reduction(groups=[["v"]], num_groups=3).groups == [["v"]]  # groups wins over num_groups
     with pytest.raises(ValueError, match="gradient_predivide_factor is only valid with op=hvd.Average"):
         gradient_reduction(op=ReduceOp.SUM, gradient_predivide_factor=2.0)
+    with pytest.raises(ValueError, match="gradient_predivide_factor=0 must be > 0"):
+        gradient_reduction(gradient_predivide_factor=0)
     with pytest.raises(UnsupportedError, match="Adasum"):
         gradient_reduction(op=ReduceOp.ADASUM)
     with pytest.raises(TypeError):
