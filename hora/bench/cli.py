@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -107,6 +108,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--colocated", action="store_true", help="servers on the workers' hosts (MXNet launch.py)")
     p.add_argument("--reduce-gbps", type=float, default=None,
                    help="GB/s a host sums buffers at (default: leave the CPU out)")
+    p.add_argument("--compression", default="none", metavar="SPEC",
+                   help="also price a compressed ring: fp16, bf16, fp16+ef, powersgd:RANK")
+    p.add_argument("--gradients", default=None, metavar="MODEL",
+                   help="a real model's parameter shapes and size: resnet50, vgg16, mlp (overrides --model-mb)")
+    p.add_argument("--compress-gflops", type=float, default=None,
+                   help="GFLOP/s of the compressor's arithmetic (default: leave it out)")
     add_output_options(p)
 
     p = child("allreduce", "hora allreduce over sizes x backends: time, algbw, busbw, cost model", _allreduce)
@@ -123,6 +130,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--servers", "-s", type=int, default=None, help="servers for --strategy ps (default: N)")
     p.add_argument("--backend", choices=("gloo", "mpi"), default="gloo", help="hora controller")
     p.add_argument("--model", default="resnet18", help="resnet18, resnet50 or mlp")
+    p.add_argument("--compression", default="none", metavar="SPEC",
+                   help="allreduce compressor: none, fp16, bf16, fp16+ef, powersgd:RANK")
     p.add_argument("--batch-size", type=int, default=32, help="batch per rank")
     p.add_argument("--image-size", type=int, default=32, help="side of the synthetic images")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps")
@@ -189,7 +198,9 @@ def _plan(args: argparse.Namespace) -> int:
 
     config = plan.PlanConfig(workers=args.workers, servers=args.servers, payload_bytes=int(args.model_mb * MiB),
                              compute_s=None if args.compute_ms is None else args.compute_ms / 1e3,
-                             overlap=args.overlap, colocated=args.colocated)
+                             overlap=args.overlap, colocated=args.colocated, compression=args.compression,
+                             gradients=args.gradients,
+                             compress_flops=math.inf if args.compress_gflops is None else args.compress_gflops * 1e9)
     if args.reduce_gbps is not None and args.reduce_gbps <= 0:
         raise ConfigError(f"--reduce-gbps {args.reduce_gbps} must be > 0")
     model = CostModel(bandwidth_bps=parse_rate(args.link), latency_s=parse_duration(args.latency),
@@ -309,7 +320,8 @@ def _train(args: argparse.Namespace) -> int:
 
     config = train.TrainConfig(num_procs=args.num_proc, strategies=args.strategy, servers=args.servers,
                                backend=args.backend, model=args.model, batch_size=args.batch_size,
-                               image_size=args.image_size, warmup=args.warmup, steps=args.steps, iters=args.iters)
+                               image_size=args.image_size, warmup=args.warmup, steps=args.steps, iters=args.iters,
+                               compression=args.compression)
     return _measure(args, "train", config, train, plot_train)
 
 

@@ -7,13 +7,22 @@ and, given a compute time per step, the scaling efficiency.  The seed's
 64-GPU case::
 
     hora bench plan --workers 64 --servers 32 --link 25gbit --model-mb 100
+
+With ``--compression`` (``fp16``, ``bf16``, ``powersgd:4``...) it adds the
+ring allreduce of the compressed gradients: the bytes of each of the
+compressor's allreduces (:mod:`hora.bench.compression`), plus its arithmetic
+at ``--compress-gflops`` when given.  ``--gradients resnet50|vgg16|mlp``
+takes a real model's parameter shapes (and its size); otherwise the payload
+is taken as 1024 x 1024 float32 matrices.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
+from hora.bench.compression import Exchange, compressed_ring, exchange, gradient_set, square_matrices
 from hora.bench.model import CostModel
 from hora.bench.report import markdown_table
 from hora.bench.units import MiB, fmt_bytes, fmt_rate, fmt_ratio, fmt_seconds
@@ -31,6 +40,9 @@ class PlanConfig:
         compute_s: compute time per step, for the efficiency column; None: no column.
         overlap: fraction of the exchange hidden behind compute, in [0, 1].
         colocated: servers share the workers' hosts (MXNet's launch.py) instead of their own.
+        compression: a compressor spelling (``none``, ``fp16``, ``bf16``, ``powersgd:4``).
+        gradients: a named gradient set (``resnet50``, ``vgg16``, ``mlp``); it sets the payload.
+        compress_flops: flops per second of the compressor's arithmetic; ``inf`` leaves it out.
     """
 
     workers: int
@@ -39,8 +51,15 @@ class PlanConfig:
     compute_s: float | None = None
     overlap: float = 0.0
     colocated: bool = False
+    compression: str = "none"
+    gradients: str | None = None
+    compress_flops: float = math.inf
 
     def __post_init__(self) -> None:
+        if self.gradients is not None:
+            self.payload_bytes = int(sum(math.prod(s) for s in gradient_set(self.gradients)) * 4)
+        if not self.compress_flops > 0:
+            raise ConfigError(f"--compress-gflops must be > 0, got {self.compress_flops / 1e9:g}")
         if self.workers < 1:
             raise ConfigError(f"--workers {self.workers} must be >= 1")
         if self.servers is not None and self.servers < 1:
@@ -75,11 +94,24 @@ def predict(config: PlanConfig, model: CostModel) -> dict[str, Any]:
     for k in config.server_counts:
         est = model.ps_push_pull(s, w, k, config.colocated)
         rows.append(_row("parameter server", k, est, ring.total, config, model))
+    compressed = None
+    if config.compression != "none":
+        ex = config_exchange(config)
+        est = compressed_ring(model, ex, w, config.compress_flops)
+        rows.insert(1, _row(f"ring allreduce, {ex.spec}", None, est, ring.total, config, model))
+        compressed = {"spec": ex.spec, "time_s": est.total, "wire_bytes": ex.wire_bytes, "ratio": ex.ratio,
+                      "allreduces": len(ex.rounds), "flops": ex.flops}
     match = model.servers_to_match_ring(s, w, tolerance=1.1, colocated=config.colocated)
     k = config.servers or w
     return {"rows": rows, "ring_s": ring.total, "servers": k,
             "ps_s": model.ps_push_pull(s, w, k, config.colocated).total,
-            "servers_within_10pct_of_ring": match}
+            "servers_within_10pct_of_ring": match, "compressed": compressed}
+
+
+def config_exchange(config: PlanConfig) -> Exchange:
+    """The compressor's exchange of the configured gradients (a named set, or 1024 x 1024 matrices)."""
+    shapes = gradient_set(config.gradients) if config.gradients else square_matrices(config.payload_bytes)
+    return exchange(shapes, config.compression)
 
 
 def _row(strategy: str, servers: int | None, est: Any, ring_s: float, config: PlanConfig,
@@ -123,5 +155,12 @@ def render(config: PlanConfig, model: CostModel, result: dict[str, Any]) -> str:
     else:
         lines.append(f"The parameter server comes within 10% of the ring from {match} servers "
                      f"({match / config.workers:.2g}x the workers) on.")
+    comp = result.get("compressed")
+    if comp is not None:
+        cpu = ("" if math.isinf(config.compress_flops) else
+               f", its arithmetic {comp['flops'] / 1e9:.3g} GFLOP at {config.compress_flops / 1e9:g} GFLOP/s")
+        lines.append(f"{comp['spec']}: {fmt_bytes(comp['wire_bytes'])} on the wire in {comp['allreduces']} "
+                     f"allreduce(s), {comp['ratio']:.3g}x fewer bytes{cpu}: {fmt_seconds(comp['time_s'])} per step, "
+                     f"{comp['time_s'] / ring:.3g}x the uncompressed ring." if ring else f"{comp['spec']}.")
     lines.append("Model: ring 2(N-1)/N*S/B + 2(N-1)L; PS 2*max(S/B, N*S/(k*B)) + 4L (see hora.bench.model).")
     return "\n".join(lines)

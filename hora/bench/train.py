@@ -21,6 +21,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from hora.bench.compression import compressed_ring, exchange
 from hora.bench.emulate import Placement
 from hora.bench.jobs import JobOutput, run_job
 from hora.bench.kvstore import layout
@@ -28,6 +29,7 @@ from hora.bench.model import CostModel
 from hora.bench.options import RunOptions, ratio
 from hora.bench.report import Progress, markdown_table, with_runs
 from hora.bench.units import fmt_bytes, fmt_ratio, fmt_seconds
+from hora.core.compression import parse_spec
 from hora.errors import ConfigError
 
 STRATEGIES = ("allreduce", "ps")
@@ -44,6 +46,7 @@ class TrainConfig:
         backend: hora controller for the allreduce strategy.
         model, batch_size, image_size: the synthetic workload.
         warmup, steps, iters: untimed steps, steps per timed iteration, iterations.
+        compression: the allreduce strategy's compressor (``none``, ``fp16``, ``powersgd:2``...).
     """
 
     num_procs: Sequence[int] = (1, 2)
@@ -56,8 +59,15 @@ class TrainConfig:
     warmup: int = 2
     steps: int = 5
     iters: int = 3
+    compression: str = "none"
 
     def __post_init__(self) -> None:
+        try:
+            parse_spec(self.compression)
+        except ValueError as e:
+            raise ConfigError(f"--compression: {e}") from None
+        if self.compression != "none" and "ps" in self.strategies:
+            raise ConfigError(f"--compression {self.compression} applies to --strategy allreduce, not ps")
         if not self.num_procs or any(n < 1 for n in self.num_procs):
             raise ConfigError(f"-np {list(self.num_procs)}: every rank count must be >= 1")
         bad = [s for s in self.strategies if s not in STRATEGIES]
@@ -75,7 +85,7 @@ class TrainConfig:
         """Arguments of :mod:`hora.bench.workers.train`."""
         return ["--model", self.model, "--batch-size", str(self.batch_size), "--image-size", str(self.image_size),
                 "--warmup", str(self.warmup), "--steps", str(self.steps), "--iters", str(self.iters),
-                "--strategy", strategy]
+                "--strategy", strategy, "--compression", self.compression]
 
 
 def run(config: TrainConfig, options: RunOptions, model: CostModel,
@@ -123,7 +133,11 @@ def row_from(out: JobOutput, strategy: str, n: int, servers: int, model: CostMod
     step = statistics.median(max(ts) for ts in zip(*per_rank, strict=True))
     compute = max(r["compute_s"] for r in results.values())
     nbytes, batch = int(first["param_bytes"]), int(first["batch_size"])
-    if strategy != "ps":
+    spec = first.get("compression", "none")
+    if strategy != "ps" and spec != "none":
+        comm = compressed_ring(model, exchange([tuple(s) for s in first["param_shapes"]], spec), n).total
+        strategy = f"{strategy}, {spec}"
+    elif strategy != "ps":
         comm = model.ring_allreduce(nbytes, n).total
     elif placed is not None:
         comm = model.ps_push_pull_placed(nbytes, placed[0], placed[1]).total

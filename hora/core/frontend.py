@@ -123,6 +123,8 @@ def gradient_reduction(*, op: ReduceOp | int | None = ReduceOp.AVERAGE, gradient
         raise ValueError("gradient_predivide_factor is only valid with op=hvd.Average")
     if groups is None and num_groups:
         groups = num_groups
+    if getattr(compression, "stateful", False):  # refuse op=Max when the optimizer is built, not at its first step
+        compression.check_op(op)
     return GradientReduction(op=op, prescale=1.0 / gradient_predivide_factor,
                              postscale=float(gradient_predivide_factor), compression=compression, groups=groups,
                              sparse_as_dense=sparse_as_dense, process_set=process_set)

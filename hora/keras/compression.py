@@ -1,4 +1,10 @@
-"""Gradient compression for Keras 3 on any backend (Horovod's ``hvd.Compression``), through ``keras.ops``."""
+"""Gradient compression for Keras 3 on any backend (Horovod's ``hvd.Compression``), through ``keras.ops``.
+
+The casts are ``keras.ops`` casts; the stateful compressors
+(``Compression.fp16.with_error_feedback()``, ``Compression.powersgd(rank=...)``)
+are the core's (:mod:`hora.core.compression`), which the Keras reduction
+hands the whole step's gradients.
+"""
 
 from __future__ import annotations
 
@@ -6,39 +12,22 @@ from typing import Any
 
 import keras
 
+from hora.core.compression import Compression as _CoreCompression
+from hora.core.compression import Compressor, NoneCompressor
 
-class KerasCompressor:
+
+class KerasCompressor(Compressor):
     """Interface: ``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor, ctx) -> tensor``."""
 
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        raise NotImplementedError
 
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        raise NotImplementedError
+class _CastCompressor(KerasCompressor):
+    """Casts floating tensors to ``wire_dtype`` for the trip."""
 
-
-class NoneCompressor(KerasCompressor):
-    """Sends tensors as they are."""
-
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        return tensor
-
-
-class FP16Compressor(KerasCompressor):
-    """Sends floating-point tensors as float16."""
-
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
+    @classmethod
+    def compress(cls, tensor: Any) -> tuple[Any, Any]:  # type: ignore[override]
         dtype = keras.backend.standardize_dtype(tensor.dtype)
-        if dtype in ("float32", "float64", "bfloat16"):
-            return keras.ops.cast(tensor, "float16"), dtype
+        if dtype in ("float16", "float32", "float64", "bfloat16") and dtype != cls.wire_dtype:
+            return keras.ops.cast(tensor, cls.wire_dtype), dtype
         return tensor, None
 
     @staticmethod
@@ -46,8 +35,25 @@ class FP16Compressor(KerasCompressor):
         return keras.ops.cast(tensor, ctx) if ctx is not None else tensor
 
 
+class FP16Compressor(_CastCompressor):
+    """Sends floating-point tensors as float16."""
+
+    wire_dtype = "float16"
+
+
+class BF16Compressor(_CastCompressor):
+    """Sends floating-point tensors as bfloat16."""
+
+    wire_dtype = "bfloat16"
+
+
 class Compression:
-    """The built-in compressors, by Horovod's names."""
+    """The built-in compressors, by Horovod's names, plus ``bf16`` and ``powersgd``."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
+    bf16 = BF16Compressor
+    powersgd = staticmethod(_CoreCompression.powersgd)
+
+
+__all__ = ["BF16Compressor", "Compression", "FP16Compressor", "KerasCompressor", "NoneCompressor"]

@@ -17,6 +17,7 @@ from typing import Any
 from hora._keras.optimizer import ReduceFn
 from hora.core import collectives
 from hora.core.collectives import Adapter
+from hora.core.compression import gradient_name, is_stateful
 from hora.core.frontend import GradientReduction
 from hora.core.ops import CollectiveType
 from hora.errors import UnsupportedError
@@ -47,6 +48,8 @@ def reduce_torch_gradients(grads: Sequence[Any], variables: Sequence[Any] | None
     if reduction.skips():
         return grads
     compression = reduction.compression
+    if is_stateful(compression):  # PowerSGD, error feedback: the whole step in one call
+        return _reduce_compressed(grads, variables, reduction)
     index_groups = reduction.index_groups(grads, variables)
     pending = []
     for n, idx in enumerate(index_groups):
@@ -64,6 +67,28 @@ def reduce_torch_gradients(grads: Sequence[Any], variables: Sequence[Any] | None
     for idx, ctxs, handle in pending:
         for i, r, ctx in zip(idx, handle.wait(), ctxs, strict=True):
             out[i] = r if compression is None else compression.decompress(r, ctx)
+    return out
+
+
+def _reduce_compressed(grads: list[Any], variables: Sequence[Any] | None, reduction: GradientReduction) -> list[Any]:
+    """Torch gradients through a stateful compressor, which reduces copies of them in place, state kept by name."""
+    import keras
+
+    idx, buffers, names = [], [], []
+    for i, g in enumerate(grads):
+        v = variables[i] if variables is not None else None
+        if g is None:
+            if v is None:
+                continue
+            g = keras.ops.zeros_like(v)  # every rank hands over the same list
+        idx.append(i)
+        buffers.append(g.detach().clone().contiguous())
+        names.append(gradient_name(i, v))
+    reduction.compression.reduce(buffers, names, op=reduction.op, prescale=reduction.prescale,
+                                 postscale=reduction.postscale, process_set=reduction.process_set)
+    out = list(grads)
+    for i, b in zip(idx, buffers, strict=True):
+        out[i] = b
     return out
 
 

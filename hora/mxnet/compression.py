@@ -1,4 +1,10 @@
-"""Gradient compression for the allreduce path (Horovod's ``hvd.Compression`` for MXNet)."""
+"""Gradient compression for the allreduce path (Horovod's ``hvd.Compression`` for MXNet).
+
+The casts are NDArray casts; the stateful compressors
+(``Compression.fp16.with_error_feedback()``, ``Compression.powersgd(rank=...)``)
+are the core's (:mod:`hora.core.compression`), which ``DistributedTrainer``
+hands the whole step's gradients as NumPy arrays.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +13,11 @@ from typing import Any
 import mxnet as mx
 import numpy as np
 
+from hora.core.compression import Compression as _CoreCompression
+from hora.core.compression import Compressor
 
-class NDArrayCompressor:
+
+class NDArrayCompressor(Compressor):
     """Interface: ``compress`` returns ``(array, ctx)``, ``decompress(array, ctx)`` restores the original."""
 
     @staticmethod
@@ -39,6 +48,8 @@ class NoneCompressor(NDArrayCompressor):
 class FP16Compressor(NDArrayCompressor):
     """Sends floating-point arrays as float16, halving the bytes on the wire; other dtypes travel as they are."""
 
+    wire_dtype = "float16"
+
     @staticmethod
     def compress(tensor: mx.nd.NDArray) -> tuple[mx.nd.NDArray, Any]:
         """The array to send and what ``decompress`` needs to restore it."""
@@ -54,7 +65,8 @@ class FP16Compressor(NDArrayCompressor):
 
 
 class Compression:
-    """The built-in compressors, by Horovod's names."""
+    """The built-in compressors, by Horovod's names, plus ``powersgd`` (MXNet 1.9 has no bfloat16 arrays)."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
+    powersgd = staticmethod(_CoreCompression.powersgd)

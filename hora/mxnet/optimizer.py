@@ -9,12 +9,15 @@ negotiates them in one round and fuses the small ones into one backend call.
 from __future__ import annotations
 
 import logging
+import os
+import pickle
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import mxnet as mx
 
+from hora.core.compression import is_stateful
 from hora.core.ops import ReduceOp
 from hora.core.request import Handle
 from hora.core.runtime import ProcessSet, global_process_set
@@ -172,7 +175,10 @@ class DistributedTrainer(mx.gluon.Trainer):
         params: the parameters (``net.collect_params()``, a dict or a list).
         optimizer: an optimizer name or ``mx.optimizer.Optimizer``.
         optimizer_params: the optimizer's keyword arguments when ``optimizer`` is a name.
-        compression: ``hvd.Compression.fp16`` sends float gradients as float16.
+        compression: ``hvd.Compression.fp16`` sends float gradients as float16; a stateful
+            compressor (``hvd.Compression.powersgd(rank=...)``,
+            ``hvd.Compression.fp16.with_error_feedback()``) reduces the whole step, its state
+            saved by :meth:`save_states`.
         gradient_predivide_factor: the average is split as ``1/f`` before the
             sum and ``f/size`` after it.
         prefix: distinguishes the tensor names when several trainers run in one program.
@@ -181,7 +187,7 @@ class DistributedTrainer(mx.gluon.Trainer):
     """
 
     def __init__(self, params: Any, optimizer: Any, optimizer_params: dict | None = None,
-                 compression: type[NDArrayCompressor] = Compression.none, gradient_predivide_factor: float = 1.0,
+                 compression: type[NDArrayCompressor] | Any = Compression.none, gradient_predivide_factor: float = 1.0,
                  prefix: str | None = None, num_groups: int = 0,
                  process_set: ProcessSet = global_process_set) -> None:
         if isinstance(optimizer, DistributedOptimizer):
@@ -203,6 +209,9 @@ class DistributedTrainer(mx.gluon.Trainer):
         ps = self._process_set
         if not ps.included() or _set_size(ps) == 1:
             return
+        if is_stateful(self._compression):
+            self._allreduce_compressed()
+            return
         grads, names, restore = [], [], []
         for i, param in enumerate(self._params):
             if param.grad_req == "null":
@@ -216,3 +225,35 @@ class DistributedTrainer(mx.gluon.Trainer):
         allreduce_grads(grads, names, self._num_groups, self._gradient_predivide_factor, ps)
         for grad, sent, ctx in restore:
             grad[:] = self._compression.decompress(sent, ctx)
+
+    def _allreduce_compressed(self) -> None:
+        """The step's gradients through the stateful compressor, as NumPy copies reduced in place."""
+        grads, names = [], []
+        for i, param in enumerate(self._params):
+            if param.grad_req != "null":
+                grads.append(param.list_grad()[0])
+                names.append(f"{self._prefix}{i}")
+        arrays = [g.asnumpy() for g in grads]
+        predivide = self._gradient_predivide_factor
+        self._compression.reduce(arrays, names, op=ReduceOp.AVERAGE, prescale=1.0 / predivide, postscale=predivide,
+                                 process_set=self._process_set)
+        for g, a in zip(grads, arrays, strict=True):
+            g[:] = a
+
+    def save_states(self, fname: str) -> None:
+        """MXNet's trainer states to ``fname``; a stateful compressor's to ``fname + '.compression'``.
+
+        Each rank's residuals are its own: save on every rank (to its own file) to resume exactly.
+        """
+        super().save_states(fname)
+        if is_stateful(self._compression):
+            with open(f"{fname}.compression", "wb") as f:
+                pickle.dump(self._compression.state_dict(), f)
+
+    def load_states(self, fname: str) -> None:
+        """Load what :meth:`save_states` wrote (the compressor's file only where it exists)."""
+        super().load_states(fname)
+        path = f"{fname}.compression"
+        if is_stateful(self._compression) and os.path.exists(path):
+            with open(path, "rb") as f:
+                self._compression.load_state_dict(pickle.load(f))  # noqa: S301 - the user's own checkpoint

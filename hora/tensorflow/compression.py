@@ -1,26 +1,26 @@
 """Gradient compression for TensorFlow allreduces (Horovod's ``hvd.Compression``).
 
 ``compress(tensor)`` returns ``(tensor, ctx)`` and ``decompress(tensor, ctx)``
-restores the original dtype.
+restores it, with ``tf.cast`` so that they work in graphs.  The stateful
+compressors (``Compression.fp16.with_error_feedback()``,
+``Compression.powersgd(rank=...)``) are the core's
+(:mod:`hora.core.compression`); :func:`reduce_compressed` hands them a
+step's gradients.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
 
+from hora.core.compression import Compression as _CoreCompression
+from hora.core.compression import Compressor, PowerSGD, gradient_name
 
-class TFCompressor:
-    """Interface: subclasses override both methods."""
 
-    @staticmethod
-    def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, Any]:
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor: tf.Tensor, ctx: Any) -> tf.Tensor:
-        raise NotImplementedError
+class TFCompressor(Compressor):
+    """Interface: ``compress`` returns ``(tensor, ctx)``, ``decompress(tensor, ctx)`` restores the original."""
 
 
 class NoneCompressor(TFCompressor):
@@ -35,13 +35,13 @@ class NoneCompressor(TFCompressor):
         return tensor
 
 
-class FP16Compressor(TFCompressor):
-    """Sends floating-point tensors as float16, halving the bytes on the wire."""
+class _CastCompressor(TFCompressor):
+    """Casts floating tensors to ``wire_dtype`` for the trip."""
 
-    @staticmethod
-    def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, Any]:
-        if tensor.dtype.is_floating and tensor.dtype != tf.float16:
-            return tf.cast(tensor, tf.float16), tensor.dtype
+    @classmethod
+    def compress(cls, tensor: tf.Tensor) -> tuple[tf.Tensor, Any]:  # type: ignore[override]
+        if tensor.dtype.is_floating and tensor.dtype.name != cls.wire_dtype:
+            return tf.cast(tensor, cls.wire_dtype), tensor.dtype
         return tensor, None
 
     @staticmethod
@@ -49,8 +49,59 @@ class FP16Compressor(TFCompressor):
         return tf.cast(tensor, ctx) if ctx is not None else tensor
 
 
+class FP16Compressor(_CastCompressor):
+    """Sends floating-point tensors as float16, halving the bytes on the wire."""
+
+    wire_dtype = "float16"
+
+
+class BF16Compressor(_CastCompressor):
+    """Sends floating-point tensors as bfloat16: float32's range with float16's size."""
+
+    wire_dtype = "bfloat16"
+
+
 class Compression:
-    """The built-in compressors, by Horovod's names."""
+    """The built-in compressors, by Horovod's names, plus ``bf16`` and ``powersgd``."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
+    bf16 = BF16Compressor
+    powersgd = staticmethod(_CoreCompression.powersgd)
+
+
+def reduce_compressed(grads: Sequence[Any], variables: Sequence[Any] | None, reduction: Any) -> list[Any]:
+    """``grads`` reduced through the stateful compressor of ``reduction`` (a ``GradientReduction``), in one call.
+
+    What :func:`hora.tensorflow.gradients.reduce_gradients` does when the
+    compressor is stateful.  ``None`` gradients of known variables become
+    zeros (every rank must hand over the same list); ``IndexedSlices`` become
+    dense.  The compressor keeps its state under the variables' names
+    (positions when no variables are given); ``groups`` change nothing.
+    """
+    from hora.tensorflow import mpi_ops
+
+    idx, dense, names = [], [], []
+    for i, g in enumerate(grads):
+        v = variables[i] if variables is not None else None
+        if g is None:
+            if v is None:
+                continue
+            g = tf.zeros_like(v)
+        if isinstance(g, tf.IndexedSlices):
+            g = tf.convert_to_tensor(g)
+        idx.append(i)
+        dense.append(g)
+        names.append(gradient_name(i, v))
+    out = list(grads)
+    if not dense:
+        return out
+    reduced = mpi_ops.compressed_allreduce(dense, names, reduction.compression, reduction.op, reduction.prescale,
+                                           reduction.postscale, reduction.process_set)
+    for i, r in zip(idx, reduced, strict=True):
+        out[i] = r
+    return out
+
+
+__all__ = ["BF16Compressor", "Compression", "FP16Compressor", "NoneCompressor", "PowerSGD", "TFCompressor",
+           "reduce_compressed"]

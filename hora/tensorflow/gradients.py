@@ -17,8 +17,10 @@ from typing import Any
 
 import tensorflow as tf
 
+from hora.core.compression import is_stateful
 from hora.core.frontend import GradientReduction
 from hora.tensorflow import mpi_ops
+from hora.tensorflow.compression import reduce_compressed
 
 
 @tf.autograph.experimental.do_not_convert
@@ -38,6 +40,8 @@ def reduce_gradients(grads: Sequence[Any], variables: Sequence[Any] | None,
     grads = list(grads)
     if reduction.skips():
         return grads
+    if is_stateful(reduction.compression):  # PowerSGD, error feedback: the whole step in one call
+        return reduce_compressed(grads, variables, reduction)
     if reduction.sparse_as_dense:
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
     compression = reduction.compression

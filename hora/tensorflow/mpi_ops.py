@@ -356,6 +356,36 @@ def _grouped_allreduce_tensors(tensors: list[tf.Tensor], name: str | None, op: R
     return list(out)
 
 
+def compressed_allreduce(tensors: Sequence[Any], names: Sequence[str], compressor: Any, op: ReduceOp = Average,
+                         prescale: float = 1.0, postscale: float = 1.0,
+                         process_set: ProcessSet | None = global_process_set) -> list[tf.Tensor]:
+    """Reduce a step's dense gradients through a stateful compressor (:mod:`hora.core.compression`).
+
+    The compressor works on NumPy copies of the tensors, in place, and keeps
+    its per-tensor state under ``names`` (the same on every rank and step).
+    Eager, inside ``tf.function`` and in TF1 graphs, like every collective
+    here; not differentiable (it reduces gradients).
+    """
+    tensors = _as_tensors(tensors)
+    compressor.check_op(op)
+
+    def body(*xs):
+        buffers = []
+        for x in xs:
+            a = _to_buffer(x)
+            out = _aligned_empty(a.shape, a.dtype)
+            np.copyto(out, a)
+            buffers.append(out)
+        try:
+            compressor.reduce(buffers, list(names), op=op, prescale=prescale, postscale=postscale,
+                              process_set=process_set)
+        except HoraError as e:
+            raise CollectiveFailedError(str(e)) from e
+        return [_adopt(b) for b in buffers]
+
+    return _call(body, tensors, [t.dtype for t in tensors], [t.shape for t in tensors])
+
+
 def _indexed_slices_allreduce(slices: tf.IndexedSlices, op: ReduceOp, prescale: float, postscale: float,
                               process_set: ProcessSet | None) -> tf.IndexedSlices:
     if op not in (Sum, Average):

@@ -160,6 +160,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
         mpi_ops.synchronize(h)
     if not is_root:
         local.load_state_dict(_fill_tensors(skeleton, tensors))
+    if local is not optimizer:  # a stateful compressor's step and factors travel too
+        optimizer.sync_compression(root_rank)
 
 
 def _collect_slots(obj: Any, out: list[_TensorSlot]) -> None:

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 
 from hora.core import runtime
+from hora.core.compression import is_stateful
+from hora.core.objects import broadcast_object
 from hora.core.ops import ReduceOp
 from hora.core.runtime import global_process_set
 from hora.errors import HoraError
@@ -58,6 +60,11 @@ class _DistributedOptimizer(WrappedOptimizer):
         if gradient_predivide_factor != 1.0 and op != ReduceOp.AVERAGE:
             raise ValueError("gradient_predivide_factor is only valid with op=hvd.Average")
         self._op = op
+        # A stateful compressor (PowerSGD, error feedback) reduces the whole step at once in synchronize().
+        self._stateful = is_stateful(compression)
+        if self._stateful:
+            compression.check_op(op)
+        self._stateful_ready: set[int] = set()
         self._prescale = 1.0 / gradient_predivide_factor
         self._postscale = float(gradient_predivide_factor)
 
@@ -100,7 +107,7 @@ class _DistributedOptimizer(WrappedOptimizer):
     # -------------------------------------------------------------- hooks
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         key = id(p)
-        if key in self._handles or key in self._deferred or (key in self._group_of and
+        if key in self._handles or key in self._deferred or key in self._stateful_ready or (key in self._group_of and
                                     any(q is p for q in self._group_ready.get(self._group_of[key], []))):
             raise HoraError(
                 "gradients were computed more than backward_passes_per_step times before step(); "
@@ -109,6 +116,9 @@ class _DistributedOptimizer(WrappedOptimizer):
             )
         self._passes[key] = self._passes.get(key, 0) + 1
         if self._passes[key] < self.backward_passes_per_step:
+            return
+        if self._stateful:
+            self._stateful_ready.add(key)
             return
         self._submit(p)
 
@@ -212,6 +222,21 @@ class _DistributedOptimizer(WrappedOptimizer):
         if not self._included:
             self._synchronized = True
             return
+        if self._stateful:
+            self._reduce_stateful()
+        else:
+            self._reduce_plain()
+        for p in self._params:
+            if id(p) in self._densified:
+                p.grad = p.grad.to_sparse()
+        self._densified.clear()
+        self._handles.clear()
+        self._passes.clear()
+        self._stateful_ready.clear()
+        self._synchronized = True
+
+    def _reduce_plain(self) -> None:
+        """Start what the hooks have not started yet, then wait for all of it."""
         for gi, ready in list(self._group_ready.items()):
             for p in self._groups[gi]:
                 if not any(q is p for q in ready):
@@ -236,13 +261,19 @@ class _DistributedOptimizer(WrappedOptimizer):
             for p, g, ctx in zip(params, grads, ctxs, strict=True):
                 if ctx is not None or g is not p.grad:
                     p.grad.copy_(self._compression.decompress(g, ctx))
+
+    def _reduce_stateful(self) -> None:
+        """Hand every gradient of the step to the stateful compressor, which reduces them in place.
+
+        All parameters go, in the optimizer's order, whether or not their hooks
+        fired (unused ones carry zeros), so every rank hands over the same list.
+        """
         for p in self._params:
-            if id(p) in self._densified:
-                p.grad = p.grad.to_sparse()
-        self._densified.clear()
-        self._handles.clear()
-        self._passes.clear()
-        self._synchronized = True
+            if not self._grad_of(p).is_contiguous():
+                p.grad = p.grad.contiguous()
+        self._compression.reduce([p.grad for p in self._params], [self._names[id(p)] for p in self._params],
+                                 op=self._op, prescale=self._prescale, postscale=self._postscale,
+                                 process_set=self._process_set)
 
     def step(self, closure=None):
         if self._should_synchronize:
@@ -259,7 +290,7 @@ class _DistributedOptimizer(WrappedOptimizer):
         return self._opt.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._handles or self._deferred:
+        if self._handles or self._deferred or self._stateful_ready:
             raise HoraError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
                 "optimizer.synchronize(); that would discard gradients still being reduced"
@@ -277,7 +308,37 @@ class _DistributedOptimizer(WrappedOptimizer):
         self._passes.clear()
         self._group_ready.clear()
         self._densified.clear()
+        self._stateful_ready.clear()
         self._synchronized = False
+
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state, plus a stateful compressor's (under ``'hora_compression'``)."""
+        state = self._opt.state_dict()
+        if self._stateful:
+            state["hora_compression"] = self._compression.state_dict()
+        return state
+
+    def sync_compression(self, root_rank: int = 0) -> None:
+        """Give every rank the root's compressor step and factors, residuals from zero (no-op when stateless).
+
+        ``hvd.broadcast_optimizer_state`` calls this, and so does an elastic
+        sync after a new rendezvous: the ranks then agree again, whatever the
+        new world size.
+        """
+        if not self._stateful or not self._included:
+            return
+        is_root = runtime.current().engine.rank == root_rank
+        state = broadcast_object(self._compression.shared_state_dict() if is_root else None, root_rank,
+                                 name="broadcast_compression_state", process_set=self._process_set)
+        self._compression.load_shared_state_dict(state)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load :meth:`state_dict`; the compressor's part (when present) goes to the compressor."""
+        state_dict = dict(state_dict)
+        compression = state_dict.pop("hora_compression", None)
+        self._opt.load_state_dict(state_dict)
+        if compression is not None and self._stateful:
+            self._compression.load_state_dict(compression)
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's public name
@@ -300,7 +361,11 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
         optimizer: any torch optimizer.
         named_parameters: ``model.named_parameters()``; names make tensors
             identifiable in errors and timelines.
-        compression: ``hvd.Compression.none`` or ``hvd.Compression.fp16``.
+        compression: ``hvd.Compression.none``, ``.fp16`` or ``.bf16`` (casts), or a stateful
+            compressor, one per optimizer: ``hvd.Compression.fp16.with_error_feedback()``,
+            ``hvd.Compression.powersgd(rank=...)``.  A stateful one reduces every gradient of
+            the step at ``step()`` (groups then change nothing) and its state is part of
+            ``state_dict()``.
         backward_passes_per_step: backward passes accumulated locally per step.
         op: ``hvd.Average`` (default) or ``hvd.Sum``.
         gradient_predivide_factor: divide by this before the sum and by

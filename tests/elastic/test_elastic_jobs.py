@@ -172,3 +172,15 @@ def test_shutdown_then_init_again_leaks_no_threads_sockets_or_memory(run_job):
         assert {r["threads"] for r in mine[2:]} == {mine[2]["threads"]}, mine
         assert {r["fds"] for r in mine[2:]} == {mine[2]["fds"]}, mine
         assert mine[-1]["rss_mib"] - mine[2]["rss_mib"] < 32, mine
+
+
+def test_powersgd_state_survives_a_reset_from_three_ranks_to_two(run_job, tmp_path):
+    """The compressor's state is committed and restored, and synced after the reset: the two survivors
+    keep training with PowerSGD and end with identical weights."""
+    stamp = tmp_path / "killed"
+    proc, results, digests = run_elastic(run_job, tmp_path, np=3, min_np=2, max_np=3, hosts="localhost:2,127.0.0.1:1",
+                                         exit_schedule={"1,0": [2]}, kill_stamp=str(stamp),
+                                         compression="powersgd:1")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["size"] for r in results] == [3, 2, 2], results
+    assert_same_weights(digests, 2)

@@ -83,3 +83,10 @@ def test_gloo_without_torch_names_the_fix():
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "BackendError" in out and "pip install 'hora[torch]'" in out and "--mpi" in out, out[-4000:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_stateful_compression_in_distributed_trainer(ranks):
+    proc = hora_run(ranks, [sys.executable, "tests/mxnet/scripts/compression_job.py"], mpi=True, timeout=240)
+    _ok(proc, "mxnet compression ok", ranks)

@@ -44,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compute-steps", type=int, default=5,
                    help="local steps timed one by one; their median is the compute time")
     p.add_argument("--strategy", choices=("allreduce", "ps"), default="allreduce")
+    p.add_argument("--compression", default="none", help="allreduce compressor: fp16, bf16, powersgd:RANK...")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per rank (0: the host's cores over its local ranks)")
     return p.parse_args(argv)
@@ -104,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                              kvstore="dist_sync")
     else:
-        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        from hora.core.compression import parse_spec
+
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                             compression=parse_spec(args.compression))
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     for _ in range(args.warmup):
         step()
@@ -120,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             emit("progress", phase="train", done=i + 1, total=args.iters)
     train_cpu = cpu_use(before, host_cpu(), args.iters * args.steps)
     emit("result", rank=rank, size=size, step_times=step_times, compute_s=compute_s, param_bytes=param_bytes,
-         batch_size=args.batch_size, model=args.model, strategy=args.strategy,
+         batch_size=args.batch_size, model=args.model, strategy=args.strategy, compression=args.compression,
+         param_shapes=[list(p.shape) for p in model.parameters()],
          host_cpu={"compute": compute_cpu, "train": train_cpu})
     hvd.shutdown()
     return 0

@@ -152,6 +152,34 @@ class ArrayOps(abc.ABC):
         """Split the 1-D ``buf`` into consecutive pieces and copy each into its output."""
 
 
+    # --- linear algebra (the compressors of hora.core.compression) -------------------------------
+    # Batched: a "stack" is one array of shape (B, n, m) holding B matrices of one shape, so a
+    # compressor makes a few calls per shape, not a few per tensor.
+    @abc.abstractmethod
+    def stack_(self, sources: Sequence[Array], out: Array, accumulate: bool = False) -> None:
+        """``out[i] = sources[i]`` (``+=`` with ``accumulate``), each source reshaped to ``out[i]``'s shape."""
+
+    @abc.abstractmethod
+    def unstack_(self, stack: Array, outputs: Sequence[Array], factor: float = 1.0) -> None:
+        """``outputs[i][...] = stack[i] * factor``, each reshaped to its output's shape and cast to its dtype."""
+
+    @abc.abstractmethod
+    def matmul_(self, a: Array, b: Array, out: Array, transpose_a: bool = False, transpose_b: bool = False) -> None:
+        """``out = a @ b`` over stacks (the last two axes), ``a``/``b`` transposed in those axes where asked."""
+
+    @abc.abstractmethod
+    def orthonormalize_(self, a: Array) -> None:
+        """Replace the columns of every matrix of the stack ``a`` by an orthonormal basis of their span."""
+
+    @abc.abstractmethod
+    def add_(self, dst: Array, src: Array, alpha: float = 1.0) -> None:
+        """``dst += alpha * src`` (same number of elements; ``src`` converted to ``dst``'s dtype)."""
+
+    @abc.abstractmethod
+    def random_normal(self, shape: Sequence[int], dtype: str, device: Any, seed: int) -> Array:
+        """Standard normal values, the same for the same ``seed`` on every rank."""
+
+
 _FAMILIES: dict[type, ArrayOps] = {}
 
 

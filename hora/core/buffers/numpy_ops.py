@@ -123,5 +123,39 @@ class NumpyOps(ArrayOps):
             np.copyto(out, buf[offset : offset + n].reshape(out.shape), casting="unsafe")
             offset += n
 
+    def stack_(self, sources: Sequence[Array], out: Array, accumulate: bool = False) -> None:
+        shape = out.shape[1:]
+        for i, s in enumerate(sources):
+            if accumulate:
+                np.add(out[i], s.reshape(shape), out=out[i], casting="unsafe")
+            else:
+                np.copyto(out[i], s.reshape(shape), casting="unsafe")
+
+    def unstack_(self, stack: Array, outputs: Sequence[Array], factor: float = 1.0) -> None:
+        for piece, o in zip(stack, outputs, strict=True):
+            if factor != 1.0:
+                piece *= factor  # the stack is the compressor's scratch: scaling it in place saves a copy
+            np.copyto(o, piece.reshape(o.shape), casting="unsafe")
+
+    def matmul_(self, a: Array, b: Array, out: Array, transpose_a: bool = False, transpose_b: bool = False) -> None:
+        np.matmul(np.swapaxes(a, -1, -2) if transpose_a else a, np.swapaxes(b, -1, -2) if transpose_b else b,
+                  out=out)
+
+    def orthonormalize_(self, a: Array) -> None:
+        q, _ = np.linalg.qr(a, mode="reduced")
+        np.copyto(a, q, casting="unsafe")
+
+    def add_(self, dst: Array, src: Array, alpha: float = 1.0) -> None:
+        src = src.reshape(dst.shape)
+        if alpha == 1.0:
+            np.add(dst, src, out=dst, casting="unsafe")
+        elif alpha == -1.0:
+            np.subtract(dst, src, out=dst, casting="unsafe")
+        else:
+            np.add(dst, alpha * src.astype(dst.dtype), out=dst, casting="unsafe")
+
+    def random_normal(self, shape: Sequence[int], dtype: str, device: str, seed: int) -> Array:
+        return np.random.default_rng(seed).standard_normal(tuple(shape)).astype(np_dtype(dtype))
+
 
 NUMPY = NumpyOps()

@@ -124,6 +124,43 @@ class TorchOps(ArrayOps):
             for o, piece in zip(outputs, pieces, strict=True):
                 o.copy_(piece.view(o.shape))
 
+    def stack_(self, sources: Sequence[Array], out: Array, accumulate: bool = False) -> None:
+        shape = out.shape[1:]
+        views = list(out.unbind(0))
+        flat = [s.view(shape) if s.is_contiguous() else s.reshape(shape) for s in sources]
+        # One foreach call for the whole stack: a copy per tensor costs ~10 us of Python each.
+        if accumulate:
+            torch._foreach_add_(views, flat)
+        else:
+            torch._foreach_copy_(views, flat)
+
+    def unstack_(self, stack: Array, outputs: Sequence[Array], factor: float = 1.0) -> None:
+        if factor != 1.0:
+            stack.mul_(factor)  # the stack is the compressor's scratch: scaling it in place saves a copy
+        pieces = list(stack.unbind(0))
+        if all(o.is_contiguous() for o in outputs):
+            torch._foreach_copy_([o.view(p.shape) for o, p in zip(outputs, pieces, strict=True)], pieces)
+        else:
+            for o, piece in zip(outputs, pieces, strict=True):
+                o.copy_(piece.reshape(o.shape))
+
+    def matmul_(self, a: Array, b: Array, out: Array, transpose_a: bool = False, transpose_b: bool = False) -> None:
+        torch.matmul(a.transpose(-1, -2) if transpose_a else a, b.transpose(-1, -2) if transpose_b else b, out=out)
+
+    def orthonormalize_(self, a: Array) -> None:
+        q, _ = torch.linalg.qr(a, mode="reduced")
+        a.copy_(q)
+
+    def add_(self, dst: Array, src: Array, alpha: float = 1.0) -> None:
+        src = src.view(dst.shape) if src.is_contiguous() else src.reshape(dst.shape)
+        if src.dtype != dst.dtype:
+            src = src.to(dst.dtype)
+        dst.add_(src, alpha=alpha)
+
+    def random_normal(self, shape: Sequence[int], dtype: str, device: torch.device, seed: int) -> Array:
+        g = torch.Generator().manual_seed(seed)  # on the CPU, so every device type draws the same values
+        return torch.randn(tuple(shape), generator=g, dtype=torch_dtype(dtype)).to(device)
+
 
 def wait_for_stream(tensors: Sequence[torch.Tensor]) -> None:
     """Let the current CUDA stream finish writing ``tensors`` before the engine's thread reads them."""

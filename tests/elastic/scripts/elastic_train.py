@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import hora.torch as hvd
+from hora.core.compression import parse_spec
 
 p = argparse.ArgumentParser()
 p.add_argument("--epochs", type=int, default=3)
@@ -37,6 +38,7 @@ p.add_argument("--wait-mode", default="commit", choices=["commit", "notification
                     "message in state._host_messages, as Horovod's own elastic scenario script does")
 p.add_argument("--epoch-wait", type=float, default=0.0)
 p.add_argument("--batch-wait", type=float, default=0.0)
+p.add_argument("--compression", default="none", help="a hora.core.compression spec: none, fp16+ef, powersgd:1")
 p.add_argument("--stop-file", help="the job ends after the epoch in which this file appears")
 p.add_argument("--kill-stamp", help="the failing rank writes the time it fails here; survivors append how long "
                                     "their blocked collective took to raise")
@@ -52,7 +54,8 @@ target = torch.randint(0, 2, (32,))
 model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
 lr = 0.01
 optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr * hvd.size()),
-                                     named_parameters=model.named_parameters())
+                                     named_parameters=model.named_parameters(),
+                                     compression=parse_spec(args.compression))
 start_rank = int(os.environ.get("HOROVOD_RANK", "0"))
 hostname = os.environ.get("HOROVOD_HOSTNAME")
 exit_schedule = {tuple(int(x) for x in k.split(",")): v for k, v in json.loads(args.exit_schedule).items()}
