@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from hora import envvars
 from hora.errors import ConfigError
 from hora.placement import HostSlots, Placement, place_ranks
-from hora.runner.env import Endpoints, build_env
+from hora.runner.env import Endpoints, build_env, require_gloo
 from hora.runner.launch_config import LaunchConfig
 
 log = logging.getLogger(__name__)
@@ -146,14 +146,8 @@ def check_controller(extra_env_vars: Mapping[str, str], driver_env: Mapping[str,
             something other than ``gloo`` in ``extra_env_vars`` or the driver's
             environment.
     """
-    for where, env in (("extra_env_vars", extra_env_vars), ("the driver's environment", driver_env)):
-        for name in (envvars.HORA_CONTROLLER, envvars.HOROVOD_CONTROLLER):
-            value = str(env.get(name, "") or "").lower()
-            if value and value != "gloo":
-                raise ConfigError(
-                    f"{name}={env[name]!r} in {where}: hora.ray runs its workers as Ray actors that meet through "
-                    "gloo; MPI is not used under Ray. Unset it or set it to 'gloo' (use 'hora run --mpi' for MPI)"
-                )
+    require_gloo({"extra_env_vars": extra_env_vars, "the driver's environment": driver_env},
+                 "hora.ray runs its workers as Ray actors")
 
 
 def job_env(

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from hora import envvars
 from hora.config import MiB, interface_names
-from hora.errors import LaunchError
+from hora.errors import ConfigError, LaunchError
 from hora.runner.launch_config import LaunchConfig
 from hora.runner.launchers.base import Endpoints
 
@@ -161,3 +161,26 @@ def build_env(
 
 def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def require_gloo(sources: Mapping[str, Mapping[str, str]], engine: str) -> None:
+    """Refuse a job whose environment asks for MPI where the ranks can only meet through gloo.
+
+    ``hora.ray`` and ``hora.spark`` start their ranks themselves (as actors, or as
+    children of Spark tasks); ``mpirun`` never starts them, so MPI cannot join them.
+
+    Args:
+        sources: where each environment came from (``{"env": ..., "the driver's environment": ...}``).
+        engine: what starts the ranks, for the message (``"hora.ray runs its workers as Ray actors"``).
+
+    Raises:
+        ConfigError: ``HORA_CONTROLLER`` or ``HOROVOD_CONTROLLER`` names something other than gloo.
+    """
+    for where, values in sources.items():
+        for name in (envvars.HORA_CONTROLLER, envvars.HOROVOD_CONTROLLER):
+            value = str(values.get(name, "") or "").lower()
+            if value and value != "gloo":
+                raise ConfigError(
+                    f"{name}={values[name]!r} in {where}: {engine}, which meet through gloo; mpirun does not "
+                    "start them. Unset it or set it to 'gloo' (use 'hora run --mpi' for MPI)"
+                )

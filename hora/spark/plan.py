@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from hora import envvars
 from hora.errors import ConfigError
 from hora.placement import HostSlots, Placement, place_ranks
-from hora.runner.env import build_env
+from hora.runner.env import build_env, require_gloo
 from hora.runner.launch_config import LaunchConfig
 from hora.runner.launchers.base import Endpoints
 
@@ -148,15 +148,8 @@ def check_controller(env: Mapping[str, str], driver_env: Mapping[str, str]) -> N
     Raises:
         ConfigError: ``HORA_CONTROLLER`` or ``HOROVOD_CONTROLLER`` names something other than gloo.
     """
-    for where, values in (("env", env), ("the driver's environment", driver_env)):
-        for name in (envvars.HORA_CONTROLLER, envvars.HOROVOD_CONTROLLER):
-            value = str(values.get(name, "") or "").lower()
-            if value and value != "gloo":
-                raise ConfigError(
-                    f"{name}={values[name]!r} in {where}: hora.spark starts its ranks inside Spark tasks, which "
-                    "meet through gloo; mpirun does not start them. Unset it or set it to 'gloo' "
-                    "(use 'hora run --mpi' outside Spark for MPI)"
-                )
+    require_gloo({"env": env, "the driver's environment": driver_env},
+                 "hora.spark starts its ranks inside Spark tasks")
 
 
 def job_env(

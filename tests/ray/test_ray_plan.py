@@ -86,7 +86,7 @@ def test_settings_validate_and_keep_horovods_fields():
 
 @pytest.mark.parametrize("name", [envvars.HORA_CONTROLLER, envvars.HOROVOD_CONTROLLER])
 def test_asking_for_mpi_is_a_clear_error(name):
-    with pytest.raises(ConfigError, match=f"{name}='mpi' in extra_env_vars.*MPI is not used under Ray"):
+    with pytest.raises(ConfigError, match=f"{name}='mpi' in extra_env_vars.*Ray actors.*mpirun does not start them"):
         check_controller({name: "mpi"}, {})
     with pytest.raises(ConfigError, match="the driver's environment"):
         check_controller({}, {name: "MPI"})
