@@ -58,7 +58,7 @@ from hora.runner.launchers.registry import (
     ConfigView,
     Request,
 )
-from hora.runner.launchers.ssh import SshLauncher, _Agent
+from hora.runner.launchers.ssh import AgentLink, SshLauncher
 from hora.runner.output import OutputSink, write_bytes
 from hora.runner.ssh import AGENT_SOURCE, agent_command
 
@@ -275,7 +275,7 @@ class SgeLauncher(SshLauncher):
         hosts = list(dict.fromkeys(s.host for s in slots))
         path = config.env.get("PATH", self.environ.get("PATH"))
         for host in hosts:
-            self.agents[host] = _Agent(host, False, qrsh_command(qrsh, host, path), self.events, via="qrsh -inherit")
+            self.agents[host] = AgentLink(host, False, qrsh_command(qrsh, host, path), self.events, via="qrsh -inherit")
         try:
             self._wait_for_hellos(QRSH_TIMEOUT_SECONDS)
         except LaunchError as e:

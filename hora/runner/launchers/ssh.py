@@ -83,7 +83,7 @@ def host_env(
     return common
 
 
-class _Agent:
+class AgentLink:
     """The launcher's end of one host's agent."""
 
     def __init__(self, host: str, local: bool, command: list[str], events: queue.Queue, via: str = "ssh") -> None:
@@ -208,7 +208,7 @@ class SshLauncher(Launcher):
 
     def __init__(self) -> None:
         self.events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
-        self.agents: dict[str, _Agent] = {}
+        self.agents: dict[str, AgentLink] = {}
         self.cwd = os.getcwd()
         self.ssh = SshOptions()
         self.host_addrs: dict[str, str] = {}
@@ -235,7 +235,7 @@ class SshLauncher(Launcher):
         path = config.env.get("PATH", os.environ.get("PATH"))
         for host in hosts:
             command = local_agent_command() if local[host] else self.ssh.command(host, agent_command(path))
-            self.agents[host] = _Agent(host, local[host], command, self.events)
+            self.agents[host] = AgentLink(host, local[host], command, self.events)
         self._wait_for_hellos(config.ssh_connect_timeout + HELLO_SLACK_SECONDS)
         return self._endpoints(config, slots)
 
@@ -379,7 +379,7 @@ class _SshSupervisor(Supervisor):
 
     def __init__(
         self,
-        agents: Mapping[str, _Agent],
+        agents: Mapping[str, AgentLink],
         events: queue.Queue[tuple[str, dict[str, Any]]],
         slots: Sequence[Slot],
         sink: OutputSink,
@@ -495,7 +495,7 @@ class HostWatch:
         self.via = via
         self.liveness = Liveness(heartbeat.timeout_s)
         self.events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
-        self.agents: dict[str, _Agent] = {}
+        self.agents: dict[str, AgentLink] = {}
         self._lost: queue.Queue[tuple[str, str]] = queue.Queue()
         self._closed = threading.Event()
         for host in dict.fromkeys(hosts):
@@ -513,11 +513,11 @@ class HostWatch:
         if agent is not None and agent.proc.poll() is None:
             return
         try:
-            self.agents[host] = _Agent(host, False, self.command(host), self.events, via=self.via)
+            self.agents[host] = AgentLink(host, False, self.command(host), self.events, via=self.via)
         except LaunchError as e:
             logger.warning("cannot watch %s: %s", host, e)
 
-    def _watched(self) -> list[_Agent]:
+    def _watched(self) -> list[AgentLink]:
         return [a for h, a in self.agents.items() if h in self.liveness.heard]
 
     def _run(self) -> None:
