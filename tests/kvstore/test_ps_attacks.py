@@ -179,10 +179,12 @@ def test_hora_run_job_survives_squatting_and_floods(tmp_path):
         while len(roles) < 2 or "READY" not in (tmp_path / "job.out").read_text():
             assert time.monotonic() < deadline and job.poll() is None, (tmp_path / "job.out").read_text()
             for p in psutil.Process(job.pid).children(recursive=True):
-                cmd = " ".join(p.cmdline())
-                if "hora.kvstore.ps.node" in cmd:
-                    role = p.environ().get("DMLC_ROLE", "")
-                    roles.setdefault(role, p.pid)
+                try:
+                    cmd = " ".join(p.cmdline())
+                    if "hora.kvstore.ps.node" in cmd:
+                        roles.setdefault(p.environ().get("DMLC_ROLE", ""), p.pid)
+                except psutil.Error:  # a short-lived child that ended (or is a zombie) since it was listed
+                    continue
             time.sleep(0.05)
         watch = RssWatch(list(roles.values()))
         for pid in roles.values():
