@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -93,6 +94,9 @@ def spark_session(master: str, **conf: str) -> Iterator[object]:
     """A SparkSession on ``master``; at exit it is stopped, its driver JVM ended and its work files removed."""
     from pyspark.sql import SparkSession
 
+    # Spark's Python workers run PYSPARK_PYTHON, else whatever `python3` is on PATH: point them at this
+    # interpreter, so the tests do not depend on the venv being activated.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder.master(master).appName("hora-tests")
     for key, value in {**SESSION_CONF, **conf}.items():
         builder = builder.config(key, value)
