@@ -546,6 +546,11 @@ class EmulatedCluster:
 
     def _write_sge_cell(self, slots_per_host: int) -> dict[str, str]:
         root = self._path("sge")
+        # A cell left by an earlier start_sge() on this cluster (its daemons stopped) still lists its exec hosts,
+        # queues and PE, and qconf refuses to add them again: start from an empty cell each time.
+        self.stop_sge()  # no-op unless an earlier start's daemons still run on the cell removed below
+        for old in ("default", "templates"):
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
         common = os.path.join(root, "default", "common")
         spool = os.path.join(root, "default", "spool")
         templates = os.path.join(root, "templates")
