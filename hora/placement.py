@@ -12,7 +12,7 @@ everywhere.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from hora import envvars
 from hora.errors import ConfigError, TopologyError
@@ -115,3 +115,18 @@ def place_ranks(hosts: Iterable[HostSlots], num_proc: int) -> list[Placement]:
                 cross_rank=cross_rank, cross_size=len(placed), host=host,
             ))
     return ranks
+
+
+def place_groups(groups: Sequence[tuple[str, Sequence[int]]], count: int) -> list[Placement]:
+    """Place ``count`` processes that arrived in any order, grouped by host: ``result[i]`` is process ``i``'s.
+
+    Each group is a host and the indexes of its processes, in local-rank order; the groups come
+    in the order their hosts take ranks.  ``hora.ray`` (actors) and ``hora.spark`` (barrier tasks)
+    place what their schedulers started with it, through :func:`place_ranks`.
+    """
+    slots = iter(place_ranks([HostSlots(host, len(indexes)) for host, indexes in groups], count))
+    result: list[Placement | None] = [None] * count
+    for _, indexes in groups:
+        for index in indexes:
+            result[index] = next(slots)
+    return result  # type: ignore[return-value]  # every index is in one group

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 from hora import envvars
 from hora.errors import ConfigError
-from hora.placement import HostSlots, Placement, place_ranks
+from hora.placement import Placement, place_groups
 from hora.runner.env import Endpoints, build_env, require_gloo
 from hora.runner.launch_config import LaunchConfig
 
@@ -121,14 +121,7 @@ def assign(infos: Sequence[ActorInfo]) -> list[Placement]:
     for index, info in enumerate(infos):
         by_node.setdefault(info.node_id, []).append(index)
     order = sorted(by_node, key=lambda node: (_ip_key(infos[by_node[node][0]].node_ip), node))
-    hosts = [HostSlots(infos[by_node[node][0]].node_ip, len(by_node[node])) for node in order]
-    slots = place_ranks(hosts, len(infos))
-    result: list[Placement | None] = [None] * len(infos)
-    placed = iter(slots)
-    for node in order:
-        for index in by_node[node]:
-            result[index] = next(placed)
-    return result  # type: ignore[return-value]  # every index was filled
+    return place_groups([(infos[by_node[node][0]].node_ip, by_node[node]) for node in order], len(infos))
 
 
 def _ip_key(ip: str) -> tuple[int, ...] | tuple[str]:

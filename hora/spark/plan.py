@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from hora import envvars
 from hora.errors import ConfigError
-from hora.placement import HostSlots, Placement, place_ranks
+from hora.placement import Placement, place_groups
 from hora.runner.env import build_env, require_gloo
 from hora.runner.launch_config import LaunchConfig
 from hora.runner.launchers.base import Endpoints
@@ -83,13 +83,7 @@ def plan_ranks(infos: Sequence[TaskInfo]) -> list[Placement]:
     order = sorted(by_host, key=_host_key)
     for host in order:
         by_host[host].sort(key=lambda i: (tuple(_gpu_key(g) for g in infos[i].gpus[:1]), infos[i].partition))
-    slots = place_ranks([HostSlots(host, len(by_host[host])) for host in order], len(infos))
-    result: list[Placement | None] = [None] * len(infos)
-    placed = iter(slots)
-    for host in order:
-        for index in by_host[host]:
-            result[index] = next(placed)
-    return result  # type: ignore[return-value]  # every index was filled
+    return place_groups([(host, by_host[host]) for host in order], len(infos))
 
 
 def visible_devices(infos: Sequence[TaskInfo], slots: Sequence[Placement], index: int) -> str | None:
