@@ -209,6 +209,7 @@ def test_a_placement_the_cluster_cannot_hold_times_out_clearly(cluster):
 
 def test_mpi_is_refused_before_anything_starts(cluster):
     executor = RayExecutor(settings(), num_workers=2)
-    with pytest.raises(ConfigError, match="MPI is not used under Ray"):
+    refusal = r"HOROVOD_CONTROLLER='mpi' in extra_env_vars: hora.ray runs its workers as Ray actors.*set it to 'gloo'"
+    with pytest.raises(ConfigError, match=refusal):
         executor.start(extra_env_vars={"HOROVOD_CONTROLLER": "mpi"})
     assert not cluster.live_placement_groups()
