@@ -130,3 +130,24 @@ def place_groups(groups: Sequence[tuple[str, Sequence[int]]], count: int) -> lis
         for index in indexes:
             result[index] = next(slots)
     return result  # type: ignore[return-value]  # every index is in one group
+
+
+def expand_slurm_counts(compressed: str) -> list[int]:
+    """Expand Slurm's compressed task counts (``SLURM_TASKS_PER_NODE``): ``"2(x3),1"`` is ``[2, 2, 2, 1]``.
+
+    The Slurm launcher (for its host list) and the ranks (for their local size) both read it, through this.
+
+    Raises:
+        TopologyError: the text is not in that notation.
+    """
+    counts: list[int] = []
+    try:
+        for part in compressed.split(","):
+            if "(x" in part:
+                count, repeat = part.rstrip(")").split("(x")
+                counts += [int(count)] * int(repeat)
+            else:
+                counts.append(int(part))
+    except ValueError:
+        raise TopologyError(f"cannot read Slurm's task counts {compressed!r}") from None
+    return counts

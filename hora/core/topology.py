@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from hora import envvars
 from hora.errors import TopologyError
-from hora.placement import Placement
+from hora.placement import Placement, expand_slurm_counts
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -139,14 +139,7 @@ def _from_counts(
 
 
 def _slurm_local_size(tasks_per_node: str, node_id: str) -> int:
-    """Expand Slurm's compressed ``SLURM_TASKS_PER_NODE`` (e.g. ``"2(x3),1"``)."""
-    counts: list[int] = []
-    for part in tasks_per_node.split(","):
-        if "(x" in part:
-            count, repeat = part.rstrip(")").split("(x")
-            counts.extend([int(count)] * int(repeat))
-        else:
-            counts.append(int(part))
+    counts = expand_slurm_counts(tasks_per_node)
     index = int(node_id)
     if not 0 <= index < len(counts):
         raise TopologyError(f"SLURM_NODEID={node_id} but SLURM_TASKS_PER_NODE={tasks_per_node!r}")

@@ -28,8 +28,8 @@ from collections.abc import Mapping, Sequence
 
 from hora import envvars
 from hora.config import HeartbeatConfig
-from hora.errors import LaunchError
-from hora.placement import HostSlots
+from hora.errors import LaunchError, TopologyError
+from hora.placement import HostSlots, expand_slurm_counts
 from hora.runner.env import Endpoints, free_port, interface_address
 from hora.runner.hostlist import is_local_host, spread
 from hora.runner.launch_config import LaunchConfig
@@ -91,22 +91,15 @@ def allocation_nodes(env: Mapping[str, str]) -> list[str]:
 
 
 def expand_counts(compressed: str) -> list[int]:
-    """Expand Slurm's ``2(x3),1`` notation into ``[2, 2, 2, 1]``.
+    """Expand Slurm's ``2(x3),1`` notation into ``[2, 2, 2, 1]`` (:func:`hora.core.topology.expand_slurm_counts`).
 
     Raises:
         LaunchError: the text is not in that notation.
     """
-    counts: list[int] = []
     try:
-        for part in compressed.split(","):
-            if "(x" in part:
-                count, repeat = part.rstrip(")").split("(x")
-                counts += [int(count)] * int(repeat)
-            else:
-                counts.append(int(part))
-    except ValueError:
-        raise LaunchError(f"cannot read Slurm's task counts {compressed!r}") from None
-    return counts
+        return expand_slurm_counts(compressed)
+    except TopologyError as e:
+        raise LaunchError(str(e)) from None
 
 
 def allocation_hosts(num_proc: int, environ: Mapping[str, str] | None = None) -> list[HostSlots]:
