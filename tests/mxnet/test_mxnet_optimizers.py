@@ -50,3 +50,23 @@ def test_dcasgd_with_momentum_fails_in_mxnet_as_hora_refuses_it():
         updater(0, mx.nd.ones((3,)), mx.nd.ones((3,)))
     with pytest.raises(ConfigError, match="momentum"):
         hora_optimizer_of(opt)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("kind", ["normal", "wide", "ties", "sparse"])
+def test_sum_of_squares_is_mxnets_multi_sum_sq(kind, dtype):
+    """LAMB's and LARS's norms: hora's vector walk against MXNet's own CPU kernel, on arrays long enough
+    to cross many binades (and meet ties, zeros and a wide range of magnitudes)."""
+    import mxnet as mx
+    import numpy as np
+
+    from hora.kvstore.optimizer.base import sum_sq
+
+    rng = np.random.default_rng(11)
+    n = 400_003
+    x = {"normal": lambda: rng.standard_normal(n),
+         "wide": lambda: rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 3, n),
+         "ties": lambda: rng.integers(-3, 4, n) / 2,
+         "sparse": lambda: rng.standard_normal(n) * (rng.random(n) < 0.01)}[kind]().astype(dtype)
+    want = mx.nd.multi_sum_sq(mx.nd.array(x, dtype=dtype), num_arrays=1).asnumpy()[0]
+    assert sum_sq(x).tobytes() == np.float32(want).tobytes()
