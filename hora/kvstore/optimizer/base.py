@@ -353,14 +353,38 @@ class Optimizer:
 
     def update_multi_precision(self, index: str, weight: Array, grad: Array, state: dict[str, Array]) -> None:
         """:meth:`update`, through the float32 master copy when the state has one."""
+        self._through_master(self.update, index, weight, grad, state)
+
+    def _through_master(self, rule: Callable[[str, Array, Array, dict[str, Array]], None], index: str,
+                        weight: Array, grad: Array, state: dict[str, Array]) -> None:
+        """Run ``rule`` on the float32 master copy when the state has one (MXNet's
+        ``update_multi_precision``), then cast it back into ``weight``; else on ``weight`` itself."""
         master = state.get("weight32")
         if master is None:
-            self.update(index, weight, grad, state)
+            rule(index, weight, grad, state)
             return
         inner = {k: v for k, v in state.items() if k != "weight32"}
-        self.update(index, master, _astype(grad, master), inner)
+        rule(index, master, _astype(grad, master), inner)
         state.update(inner)
         _copy_into(weight, master)
+
+    # --- row_sparse gradients -----------------------------------------------------------------------
+    def lazy_rows(self) -> bool:
+        """Whether a row_sparse gradient updates only its rows (MXNet has a lazy or sparse kernel for it).
+
+        When False, the server scatters the rows into a zero gradient and runs the dense rule over the whole
+        key, which is what MXNet does for an optimizer without such a kernel.  When True, the rule must
+        update each element from that element's weight, gradient and state alone (no norms).
+        """
+        return False
+
+    def update_rows(self, index: str, weight: Array, grad: Array, state: dict[str, Array]) -> None:
+        """The lazy update of the pushed rows (``weight``, ``grad`` and ``state`` hold just those rows).
+
+        By default the dense rule, which is MXNet's lazy kernel for SGD, Adam and Ftrl; AdaGrad overrides
+        it with MXNet's sparse kernel, whose arithmetic differs from its dense rule.
+        """
+        self.update_multi_precision(index, weight, grad, state)
 
 
 def zeros_like(x: Array, dtype: Any = None) -> Array:
