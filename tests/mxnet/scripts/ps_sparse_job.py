@@ -69,6 +69,12 @@ def check_store(kv) -> None:
     else:
         raise AssertionError("pull(ignore_sparse=False) was accepted")
     assert isinstance(kv, mx.kv.KVStore)  # a real subclass, for gluon's checks (docs/sparse.md)
+    try:  # as MXNet ("Mixed key types are not allowed"): an int key in a store of str keys, an MXNetError
+        kv.init(999, mx.nd.ones((2, 2)).tostype("row_sparse"))
+    except mx.base.MXNetError as e:
+        assert "do not mix int and str keys" in str(e), e
+    else:
+        raise AssertionError("an int key was accepted among str keys")
 
     kv.set_optimizer(mx.optimizer.create("test", rescale_grad=0.5))  # w += 0.5 * g
     value = want.copy()
