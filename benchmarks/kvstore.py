@@ -16,7 +16,9 @@ allreduce and over its own single-server time.
 ``--optimizers sgd,sgd+momentum,adam,adagrad,lamb`` instead times one
 dist_sync job per server optimizer (issue 30: the servers' update of each push
 is part of the push+pull), ``--repeat`` interleaved rounds, each over the
-first optimizer's time.
+first optimizer's time; MXNet's own ``dist_sync`` with the same optimizer set
+by ``kv.set_optimizer`` runs before each hora job (``--no-mxnet`` skips it),
+and a second table gives hora over MXNet per optimizer.
 
 ``--sparse`` instead runs the row_sparse embedding benchmark of issue 30
 (:mod:`benchmarks.kvstore_sparse`: 1,000,000 x 64 float32, 10,000 rows
@@ -121,11 +123,13 @@ def mxnet_python(venv: Path) -> Path:
     return Path(proc.stdout.strip().splitlines()[-1])
 
 
-def mxnet_rows(python: Path, args: argparse.Namespace, servers: int, model: Any) -> tuple[list[dict], dict]:
-    """Run the MXNet peer with ``servers`` servers; its rows and its raw result."""
+def mxnet_rows(python: Path, args: argparse.Namespace, servers: int, model: Any,
+               optimizer: str = "") -> tuple[list[dict], dict]:
+    """Run the MXNet peer with ``servers`` servers (and ``optimizer`` on them); its rows and its raw result."""
     cmd = [str(python), str(PEER_DIR / "kvstore_bench.py"), "--workers", str(args.workers), "--servers",
            str(servers), "--sizes", ",".join(map(str, args.size_list)), "--iters", str(args.iters),
-           "--warmup", str(args.warmup), "--timeout", str(args.timeout)]
+           "--warmup", str(args.warmup), "--timeout", str(args.timeout),
+           *(["--optimizer", optimizer] if optimizer else [])]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "DMLC_", "OMPI_", "PMIX_"))}
     env.pop("PYTHONPATH", None)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout + 60, check=False, env=env)
@@ -185,12 +189,21 @@ def transport_rows(args: argparse.Namespace, options: RunOptions, model: Any) ->
     return rows
 
 
-def optimizer_rows(args: argparse.Namespace, options: RunOptions, model: Any) -> list[dict[str, Any]]:
+def optimizer_rows(args: argparse.Namespace, options: RunOptions, model: Any,
+                   python: Path | None = None) -> list[dict[str, Any]]:
     """hora ``dist_sync`` with each of ``args.optimizer_list`` on the servers, ``args.repeat`` interleaved rounds;
-    one row per (round, optimizer, servers, size), tagged ``transport`` (the optimizer) and ``round``."""
+    one row per (round, optimizer, servers, size), tagged ``transport`` (the optimizer) and ``round``.  With
+    ``python`` (the MXNet venv's), MXNet's own ``dist_sync`` with the same optimizer runs just before each
+    hora job, tagged ``system``."""
     rows: list[dict[str, Any]] = []
     for round_ in range(args.repeat):
         for name in args.optimizer_list:
+            if python is not None:
+                for servers in args.server_list:
+                    print(f"MXNet dist_sync with {name} on the servers (round {round_ + 1}/{args.repeat}) ...",
+                          file=sys.stderr, flush=True)
+                    mx, _ = mxnet_rows(python, args, servers, model, optimizer=name)
+                    rows += [{**row, "transport": name, "round": round_} for row in mx]
             print(f"hora dist_sync with {name} on the servers (round {round_ + 1}/{args.repeat}) ...", file=sys.stderr,
                   flush=True)
             config = hkv.KVStoreConfig(sizes=args.size_list, workers=args.workers, servers=args.server_list,
@@ -215,6 +228,26 @@ def transport_table(rows: list[dict[str, Any]], label: str = "transport") -> str
     return markdown_table(["size", "servers", label, "push+pull (median)", "each round", f"over {names[0]}"], body)
 
 
+def optimizer_table(rows: list[dict[str, Any]]) -> str:
+    """Per (size, servers, optimizer): MXNet's and hora's medians over rounds, hora over MXNet, and each over
+    its own first optimizer's time."""
+    names = list(dict.fromkeys(r["transport"] for r in rows))
+    body = []
+    for nbytes, servers in sorted({(r["bytes"], r["servers"]) for r in rows}):
+        def median(system: str, name: str, nbytes: int = nbytes, servers: int = servers) -> float | None:
+            t = sorted(r["time_s"] for r in rows if (r["system"] == MXNET) == (system == MXNET)
+                       and r["transport"] == name and r["bytes"] == nbytes and r["servers"] == servers)
+            return t[len(t) // 2] if t else None
+
+        for n in names:
+            mx, hora = median(MXNET, n), median("hora", n)
+            body.append([fmt_bytes(nbytes), str(servers), n, fmt_seconds(mx), fmt_seconds(hora),
+                         fmt_ratio(ratio(hora, mx)), fmt_ratio(ratio(mx, median(MXNET, names[0]))),
+                         fmt_ratio(ratio(hora, median("hora", names[0])))])
+    return markdown_table(["size", "servers", "server optimizer", "MXNet dist_sync", "hora dist_sync",
+                           "hora / MXNet", f"MXNet over its {names[0]}", f"hora over its {names[0]}"], body)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run MXNet, then hora; print the tables; write JSON."""
     args = parse_args(argv)
@@ -229,9 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     options = RunOptions(timeout_s=args.timeout)
     model = cost_model(args.link, None, options)
     if args.optimizer_list:
-        rows = optimizer_rows(args, options, model)
+        python = None if args.no_mxnet else mxnet_python(args.mxnet_venv)
+        rows = optimizer_rows(args, options, model, python)
         print(f"\n{args.workers} workers on localhost, {args.repeat} interleaved round(s)\n")
-        print(transport_table(rows, "server optimizer"))
+        print(transport_table([r for r in rows if r["system"] != MXNET], "server optimizer"))
+        if python is not None:
+            print()
+            print(optimizer_table(rows))
         if args.json is not None:
             write_json({"benchmark": "kvstore-optimizers", "machine": machine(), "model": model_doc(model),
                         "rows": rows}, str(args.json))

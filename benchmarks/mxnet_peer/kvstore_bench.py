@@ -18,6 +18,10 @@ JSON object goes to stdout (and to ``--json FILE``)::
 
     ~/.cache/hora/mxnet-venv/bin/python benchmarks/mxnet_peer/kvstore_bench.py --workers 2 --servers 1
     ... --workers 2 --servers 2 --sizes 4MiB,16MiB,64MiB --iters 10 --json mx.json
+    ... --workers 2 --servers 1 --sizes 64MiB --optimizer lamb
+
+``--optimizer NAME`` sets that optimizer on the servers (``kv.set_optimizer``,
+MXNet's defaults), so each round's update is part of the push+pull time.
 """
 
 from __future__ import annotations
@@ -64,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the whole job is killed")
     p.add_argument("--omp-threads", type=int, default=None,
                    help="OMP_NUM_THREADS for every role (unset: MXNet's default)")
+    p.add_argument("--optimizer", default="",
+                   help="a server optimizer by name with MXNet's defaults, set by kv.set_optimizer ('sgd+momentum': "
+                        "momentum 0.9); empty: the servers keep the sum")
     p.add_argument("--json", type=Path, default=None, help="also write the result to this file")
     args = p.parse_args(argv)
     if args.workers < 1 or args.servers < 1:
@@ -90,6 +97,10 @@ def worker_main() -> int:
     iters, warmup = int(os.environ["HORA_MXBENCH_ITERS"]), int(os.environ["HORA_MXBENCH_WARMUP"])
     kv = mx.kv.create("dist_sync")
     rank, nworkers = kv.rank, kv.num_workers
+    optimizer = os.environ.get("HORA_MXBENCH_OPTIMIZER", "")
+    if optimizer:  # pickled to the servers, which then update every key on each round's merged push
+        name, momentum = optimizer.removesuffix("+momentum"), optimizer.endswith("+momentum")
+        kv.set_optimizer(mx.optimizer.create(name, **({"momentum": 0.9} if momentum else {})))
     times: dict[str, list[float]] = {}
     for key, nbytes in enumerate(sizes):
         n = nbytes // 4
@@ -104,7 +115,7 @@ def worker_main() -> int:
             kv.pull(key, out=out)
             out.wait_to_read()
             dt = time.perf_counter() - t0
-            if i == 0:
+            if i == 0 and not optimizer:
                 got = float(out[0].asscalar())
                 if got != nworkers:  # no updater: the server stores the sum of the workers' pushes
                     raise SystemExit(f"worker {rank}: pulled {got} for key {key}, expected {nworkers}")
@@ -154,6 +165,7 @@ def launch(args: argparse.Namespace) -> dict:
         "DMLC_NODE_HOST": "127.0.0.1",  # ps-lite would otherwise guess an interface
         "HORA_MXBENCH_SIZES": ",".join(map(str, args.size_list)), "HORA_MXBENCH_ITERS": str(args.iters),
         "HORA_MXBENCH_WARMUP": str(args.warmup), "HORA_MXBENCH_OUT": str(out_dir),
+        "HORA_MXBENCH_OPTIMIZER": args.optimizer,
     })
     if args.omp_threads is not None:
         base["OMP_NUM_THREADS"] = str(args.omp_threads)
@@ -221,6 +233,7 @@ def launch(args: argparse.Namespace) -> dict:
         "peer": "mxnet", "mxnet": mxnet.__version__, "numpy": numpy.__version__,
         "python": platform.python_version(), "kvstore": "dist_sync",
         "workers": args.workers, "servers": args.servers, "iters": args.iters, "warmup": args.warmup,
+        "optimizer": args.optimizer,
         "bigarray_bound": int(os.environ.get("MXNET_KVSTORE_BIGARRAY_BOUND", "1000000")),
         "server_peak_rss_mib": [server_rss.get(i) for i in range(args.servers)],
         "rows": rows,

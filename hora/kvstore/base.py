@@ -29,8 +29,16 @@ def is_array(x: Any) -> bool:
     return (mod == "numpy" and type(x).__name__ == "ndarray") or (mod.startswith("torch") and hasattr(x, "dim"))
 
 
+class MixedKeysError(ConfigError):
+    """A key of the other kind (int among str keys, or str among int keys): as in MXNet, a store takes one."""
+
+
 class KVStore(abc.ABC):
     """The MXNet KVStore interface.  Create one with :func:`hora.kvstore.create`."""
+
+    #: what a key of the other kind raises; a binding may put its framework's error type into the class
+    #: (MXNet's stores raise an ``MXNetError``, as MXNet's own "Mixed key types are not allowed" is one)
+    mixed_keys_error: type[ConfigError] = MixedKeysError
 
     def __init__(self, kv_type: str) -> None:
         self._type = kv_type
@@ -132,8 +140,8 @@ class KVStore(abc.ABC):
         if self._key_kind is None:
             self._key_kind = kind
         elif kind is not self._key_kind:
-            raise ConfigError(f"key {key!r} is {kind.__name__} but this store already uses "
-                              f"{self._key_kind.__name__} keys; do not mix int and str keys")
+            raise self.mixed_keys_error(f"key {key!r} is {kind.__name__} but this store already uses "
+                                        f"{self._key_kind.__name__} keys; do not mix int and str keys")
         return str(key)
 
     def _normalise(self, key: Key | Sequence[Key], value: Any, what: str) -> tuple[list[str], list[list[Array]]]:

@@ -32,6 +32,7 @@ import numpy as np
 from hora.core import runtime
 from hora.core.ops import ReduceOp
 from hora.errors import ConfigError
+from hora.kvstore import base as kvbase
 from hora.mxnet import engine, mpi_ops, sparse
 from hora.mxnet.buffers import check_ndarray, copy_into, engine_view, on_host, read_view, write_view
 from hora.mxnet.server_optimizer import hora_optimizer_of
@@ -174,6 +175,11 @@ class HoraAllreduceStore(KVStoreBase):
                           "with gluon.Trainer.load_states, or use 'hora_dist_sync' to keep it on parameter servers")
 
 
+class MixedKeysError(kvbase.MixedKeysError, mx.base.MXNetError):
+    """int and str keys mixed in one store: refused as MXNet refuses it ("Mixed key types are not allowed"), and
+    of MXNet's error type, which scripts written for MXNet catch (its nightly ``invalid_cpu`` test does)."""
+
+
 class _ServerStore(KVStoreBase):
     """hora's parameter-server store (:mod:`hora.kvstore.dist`) behind MXNet's KVStore interface, on NDArrays.
 
@@ -195,6 +201,7 @@ class _ServerStore(KVStoreBase):
         from hora.kvstore import create
 
         self._store = create(NAMES[self.type])
+        self._store.mixed_keys_error = MixedKeysError
         self._optimizer: Any = None
         self._key_vars: dict[str, mx.nd.NDArray] = {}  # per key: orders its engine calls (push, then copy-out)
         self._inflight = 0  # engine calls started and not yet finished

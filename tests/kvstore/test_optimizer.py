@@ -439,3 +439,61 @@ def test_numpy_rules_update_torch_tensors_in_place(name):
         u_np("k", g, w)
         u_t("k", torch.from_numpy(g), t)
     np.testing.assert_array_equal(t.numpy(), w)
+
+
+# ------------------------------------------------------------------------- ordered float32 sums
+def _ordered_sum_inputs() -> list[tuple[str, np.ndarray]]:
+    """Data that walks every path of ordered_add: binade changes, ties, zeros, NaN/inf, tiny and huge values."""
+    rng = np.random.default_rng(7)
+    out = []
+    for n in (1, 9, 5000, 70000, 300001):
+        x = rng.standard_normal(n).astype(f32)
+        out.append((f"squares{n}", x * x))
+        out.append((f"quarters{n}", np.full(n, 0.25, f32)))  # a tie at every step once the sum is large
+        out.append((f"small-ints{n}", rng.integers(0, 5, n).astype(f32)))
+        out.append((f"eighths{n}", (rng.integers(0, 8, n) / 8).astype(f32)))
+        out.append((f"zeros{n}", np.zeros(n, f32)))
+        with np.errstate(over="ignore"):
+            wide = (rng.standard_normal(n) * 10.0 ** rng.uniform(-25, 25, n)).astype(f32)
+            out.append((f"wide{n}", wide * wide))
+        h = rng.standard_normal(n).astype(np.float16)
+        out.append((f"half-squares{n}", (h * h).astype(f32)))
+        y = rng.random(n).astype(f32)
+        y[rng.integers(0, n)] = np.inf
+        out.append((f"inf{n}", y))
+        y = rng.random(n).astype(f32)
+        y[rng.integers(0, n)] = np.nan
+        out.append((f"nan{n}", y))
+        out.append((f"subnormal{n}", (rng.random(n) * 1e-40).astype(f32)))
+        y = rng.random(n).astype(f32)
+        y[::97] = 3e38
+        out.append((f"huge{n}", y))
+        y = np.zeros(n, f32)
+        y[n // 2:] = rng.random(n - n // 2)
+        out.append((f"zero-head{n}", y))
+        out.append((f"powers-of-two{n}", (2.0 ** rng.integers(-20, 20, n)).astype(f32)))
+    return out
+
+
+def test_ordered_sum_has_the_bits_of_the_sequential_loop():
+    from hora.kvstore.optimizer.ordered_sum import ordered_add
+
+    scratch, scratch2 = np.empty(4096, f32), np.empty(4096, f32)
+    bad = []
+    for name, y in _ordered_sum_inputs():
+        for start in (0.0, 1.0, 3.0e7, 1e-30, 123.456):
+            with np.errstate(over="ignore", invalid="ignore"):
+                want = np.cumsum(np.concatenate([[f32(start)], y]).astype(f32))[-1]  # NumPy's in-order loop
+            got = ordered_add(f32(start), y, scratch, scratch2)
+            if got.tobytes() != want.tobytes():
+                bad.append(f"{name} from {start}: {got!r} != {want!r}")
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_sum_sq_is_the_sequential_float32_sum_of_squares(dtype):
+    from hora.kvstore.optimizer.base import sum_sq
+
+    x = np.random.default_rng(3).standard_normal(200003).astype(dtype)
+    squares = (x * x).astype(f32)  # a float16 square rounds to float16 first, as the kernel's
+    assert sum_sq(x).tobytes() == np.cumsum(squares)[-1].tobytes()

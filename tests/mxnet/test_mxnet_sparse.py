@@ -20,9 +20,9 @@ SPLIT = {"HORA_PS_BIGARRAY_BOUND": "50"}  # the 40 x 3 keys are cut over both se
                                   ["--kv-store", "hora_dist_sync", "--gluon"]],
                          ids=["dist_sync", "dist_async", "gluon"])
 def test_row_sparse_keys(args):
-    """init/push/pull/row_sparse_pull with repeated, unsorted and never-pushed rows; lazy SGD and Adam bit for bit
-    with MXNet's own updater; gluon's SparseEmbedding and Embedding(sparse_grad=True) train through the store
-    (an mx.kv.KVStore) as one process does."""
+    """init/push/pull/row_sparse_pull with repeated, unsorted and never-pushed rows; lazy SGD, Adam, AdaGrad and
+    Ftrl bit for bit with MXNet's own updater; gluon's SparseEmbedding and Embedding(sparse_grad=True) train
+    through the store (an mx.kv.KVStore) as one process does."""
     proc = hora_run(2, [sys.executable, JOB, *args], timeout=150, extra_args=["-s", "2"], env=SPLIT)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]

@@ -18,9 +18,10 @@ last two rates, the scheduler) is kept once per optimizer here too: on a
 server it moves with each key's update in turn, as on MXNet's server.
 
 Deviations, on purpose: row_sparse gradients reach these rules only on the
-servers (:mod:`hora.kvstore.ps.rows`), where ``lazy_update`` of SGD and Adam
-updates just the pushed rows and every other rule sees a dense gradient with
-zero rows; ``param_idx2name``/``sym``/
+servers (:mod:`hora.kvstore.ps.rows`), where the rules that MXNet gives a lazy
+or sparse kernel (SGD and Adam with ``lazy_update``, AdaGrad, Ftrl:
+:meth:`Optimizer.lazy_rows`) update just the pushed rows, and every other rule
+sees a dense gradient with zero rows; ``param_idx2name``/``sym``/
 ``param_dict`` are not taken (set :meth:`Optimizer.set_lr_mult` and
 :meth:`Optimizer.set_wd_mult` by key, which is what MXNet's servers see).
 SGD and Adam also update torch tensors in place; the other rules are NumPy and

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from hora.errors import ConfigError
 from hora.kvstore.arrays import is_numpy as _is_numpy
 from hora.kvstore.lr_scheduler import LRScheduler, _number
 from hora.kvstore.optimizer.base import (
@@ -66,6 +67,10 @@ class Adam(Optimizer):
 
     def create_state(self, index: str, weight: Array) -> dict[str, Array]:
         return {"mean": zeros_like(weight), "var": zeros_like(weight)}
+
+    def lazy_rows(self) -> bool:
+        """MXNet's ``adam_update`` takes row_sparse gradients lazily when ``lazy_update``."""
+        return self.lazy_update
 
     def update(self, index: str, weight: Array, grad: Array, state: dict[str, Array]) -> None:
         lr, wd, t = self._begin(index)
@@ -236,6 +241,43 @@ class AdaGrad(Optimizer):
 
         blockwise(rule, weight, grad, state["history"], scratch=2)
 
+    def lazy_rows(self) -> bool:
+        """MXNet's AdaGrad sends row_sparse gradients to its sparse kernel, which touches only their rows."""
+        return True
+
+    def update_rows(self, index: str, weight: Array, grad: Array, state: dict[str, Array]) -> None:
+        """MXNet's ``sparse.adagrad_update`` on the pushed rows: ``w - (g / sqrt(h + eps)) * lr``, no decay.
+
+        Raises:
+            ConfigError: ``wd`` (times the key's ``wd_mult``) is not 0, which MXNet's sparse kernel refuses
+                too ("sparse adagrad_update does not support wd").
+        """
+        self._through_master(self._sparse_rule, index, weight, grad, state)
+
+    def _sparse_rule(self, index: str, weight: np.ndarray, grad: np.ndarray, state: dict[str, Array]) -> None:
+        lr, wd, _ = self._begin(index)
+        if wd != 0:
+            raise ConfigError(f"AdaGrad's row_sparse update of key {index!r} does not take weight decay (wd={wd}), "
+                              "as MXNet's sparse adagrad_update refuses it: set wd=0 (or wd_mult 0 for this key), "
+                              "or push the key's gradient dense")
+        dt = weight.dtype
+        rescale, eps, s_lr = scalar(dt, self.rescale_grad), scalar(dt, self.eps), scalar(dt, lr)
+        bound = scalar(dt, self.clip_gradient) if self._clipping() else None
+
+        def rule(w: np.ndarray, gr: np.ndarray, h: np.ndarray, g: np.ndarray, t: np.ndarray) -> None:
+            np.multiply(gr, rescale, out=g)
+            if bound is not None:
+                clip_kernel(g, bound)
+            np.multiply(g, g, out=t)
+            h += t
+            np.add(h, eps, out=t)
+            np.sqrt(t, out=t)
+            g /= t
+            g *= s_lr
+            w -= g
+
+        blockwise(rule, weight, grad, state["history"], scratch=2)
+
 
 class AdaDelta(Optimizer):
     """AdaDelta (MXNet's ``adadelta``): no learning rate; running averages of squared gradients and steps."""
@@ -389,6 +431,10 @@ class Ftrl(Optimizer):
 
     def create_state(self, index: str, weight: Array) -> dict[str, Array]:
         return {"z": zeros_like(weight), "n": zeros_like(weight)}
+
+    def lazy_rows(self) -> bool:
+        """MXNet's ``ftrl_update`` on row_sparse values touches only the pushed rows, with the dense arithmetic."""
+        return True
 
     def update(self, index: str, weight: Array, grad: Array, state: dict[str, Array]) -> None:
         self._update_count(index)

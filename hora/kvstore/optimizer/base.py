@@ -7,7 +7,8 @@ to the dtype.  Here the same operations run in NumPy, in the same order and
 dtype, so results agree to the last bit: :func:`scalar` rounds a Python number
 to the dtype, :func:`blockwise` runs an element-wise rule over cache-sized
 blocks (same operations, same bits, much less memory traffic), and
-:func:`sum_sq` is MXNet's CPU ``multi_sum_sq`` (a sequential float32 sum).
+:func:`sum_sq` is MXNet's CPU ``multi_sum_sq`` (a sequential float32 sum, the
+same bits from vector operations: :mod:`.ordered_sum`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from hora.kvstore.arrays import copy_into as _copy_into
 from hora.kvstore.arrays import is_numpy as _is_numpy
 from hora.kvstore.arrays import math_pool
 from hora.kvstore.lr_scheduler import LRScheduler, _number, scheduler_from_spec
+from hora.kvstore.optimizer.ordered_sum import ordered_add
 
 Array = Any  # numpy.ndarray | torch.Tensor
 
@@ -147,16 +149,16 @@ def moments(g: np.ndarray, m: np.ndarray, v: np.ndarray, b1: np.floating, b1c: n
 def sum_sq(x: np.ndarray) -> np.float32:
     """MXNet's CPU ``multi_sum_sq`` of one array: ``sum += x[i] * x[i]`` in float32, in order."""
     acc = SumSq()
-    blockwise(acc.add, x, scratch=1, scratch_dtype=np.float32, parallel=False)
+    blockwise(acc.add, x, scratch=3, scratch_dtype=np.float32, parallel=False)
     return acc.total
 
 
 class SumSq:
     """A running ``multi_sum_sq``: :meth:`add` takes consecutive blocks in order; ``total`` is the float32 sum.
 
-    Within a block ``np.cumsum`` adds in order, and each block starts from the
-    previous one's total, so the sum is the kernel's sequential one, bit for
-    bit, without an array of the input's size.
+    Each block's squares are added to the running total in order, with the
+    bits of the sequential loop (:func:`~hora.kvstore.optimizer.ordered_sum.ordered_add`),
+    without an array of the input's size.
     """
 
     __slots__ = ("total",)
@@ -164,17 +166,15 @@ class SumSq:
     def __init__(self) -> None:
         self.total = np.float32(0)
 
-    def add(self, x: np.ndarray, scratch: np.ndarray) -> None:
-        """Add the squares of the block ``x`` (``scratch``: a float32 buffer of its length)."""
+    def add(self, x: np.ndarray, scratch: np.ndarray, scratch2: np.ndarray, scratch3: np.ndarray) -> None:
+        """Add the squares of the block ``x`` (``scratch*``: float32 buffers of its length)."""
         if x.size == 0:
             return
         if x.dtype == np.float32:
             np.multiply(x, x, out=scratch)
         else:  # a float16 square rounds to float16 first, as the kernel's half_t product does
             np.copyto(scratch, x * x, casting="unsafe")
-        scratch[0] += self.total
-        np.cumsum(scratch, out=scratch)
-        self.total = scratch[-1]
+        self.total = ordered_add(self.total, scratch, scratch2, scratch3)
 
 
 def check_bool(name: str, value: Any) -> bool:
@@ -353,14 +353,38 @@ class Optimizer:
 
     def update_multi_precision(self, index: str, weight: Array, grad: Array, state: dict[str, Array]) -> None:
         """:meth:`update`, through the float32 master copy when the state has one."""
+        self._through_master(self.update, index, weight, grad, state)
+
+    def _through_master(self, rule: Callable[[str, Array, Array, dict[str, Array]], None], index: str,
+                        weight: Array, grad: Array, state: dict[str, Array]) -> None:
+        """Run ``rule`` on the float32 master copy when the state has one (MXNet's
+        ``update_multi_precision``), then cast it back into ``weight``; else on ``weight`` itself."""
         master = state.get("weight32")
         if master is None:
-            self.update(index, weight, grad, state)
+            rule(index, weight, grad, state)
             return
         inner = {k: v for k, v in state.items() if k != "weight32"}
-        self.update(index, master, _astype(grad, master), inner)
+        rule(index, master, _astype(grad, master), inner)
         state.update(inner)
         _copy_into(weight, master)
+
+    # --- row_sparse gradients -----------------------------------------------------------------------
+    def lazy_rows(self) -> bool:
+        """Whether a row_sparse gradient updates only its rows (MXNet has a lazy or sparse kernel for it).
+
+        When False, the server scatters the rows into a zero gradient and runs the dense rule over the whole
+        key, which is what MXNet does for an optimizer without such a kernel.  When True, the rule must
+        update each element from that element's weight, gradient and state alone (no norms).
+        """
+        return False
+
+    def update_rows(self, index: str, weight: Array, grad: Array, state: dict[str, Array]) -> None:
+        """The lazy update of the pushed rows (``weight``, ``grad`` and ``state`` hold just those rows).
+
+        By default the dense rule, which is MXNet's lazy kernel for SGD, Adam and Ftrl; AdaGrad overrides
+        it with MXNet's sparse kernel, whose arithmetic differs from its dense rule.
+        """
+        self.update_multi_precision(index, weight, grad, state)
 
 
 def zeros_like(x: Array, dtype: Any = None) -> Array:

@@ -51,6 +51,10 @@ class LAMB(Optimizer):
         self.lower_bound = optional_number("lower_bound", lower_bound)
         self.upper_bound = optional_number("upper_bound", upper_bound)
         self.bias_correction = check_bool("bias_correction", bias_correction)
+        # The direction ``g``'s buffer (the largest key's size), kept for the next update: a weight-sized
+        # buffer allocated afresh every step pays its page faults each time.  Updates taking it at once
+        # (not on a server, whose updater lock serializes them) each find it or allocate their own.
+        self._spare: list[np.ndarray] = []
 
     def create_state(self, index: str, weight: Array) -> dict[str, Array]:
         return {"mean": zeros_like(weight), "var": zeros_like(weight)}
@@ -72,7 +76,13 @@ class LAMB(Optimizer):
         den_mean, den_var = f(f(1) - powf(b1, t)), f(f(1) - powf(b2, t))
         bound = f(self.clip_gradient) if self._clipping() else None
         w32 = master if master is not None else weight
-        g_out = np.empty(weight.shape, f)
+        try:
+            spare = self._spare.pop()
+        except IndexError:
+            spare = None
+        if spare is None or spare.size < weight.size:
+            spare = np.empty(weight.size, f)
+        g_out = spare[:weight.size].reshape(weight.shape)
         # multi_sum_sq of the weight as stored (float16 under multi_precision), an ordered sum: on its own
         # thread while the element-wise phase runs (it only reads the weight)
         w_ss = math_pool().submit(sum_sq, weight)
@@ -110,10 +120,12 @@ class LAMB(Optimizer):
         ratio = f(1) if (r1 == 0 or r2 == 0) else f(r1 / r2)
         lr_adjusted = f(lr * ratio)
 
-        def step2(w: np.ndarray, g: np.ndarray) -> None:
-            w -= g * lr_adjusted
+        def step2(w: np.ndarray, g: np.ndarray, scaled: np.ndarray) -> None:
+            np.multiply(g, lr_adjusted, out=scaled)
+            w -= scaled
 
-        blockwise(step2, w32, g_out)
+        blockwise(step2, w32, g_out, scratch=1, scratch_dtype=f)
+        self._spare[:] = [spare]  # the largest key's size, reused by every key
         if master is not None:
             np.copyto(weight, master, casting="unsafe")
 

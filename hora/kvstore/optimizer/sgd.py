@@ -24,6 +24,7 @@ from hora.kvstore.optimizer.base import (
     check_bool,
     clip_kernel,
     np_dtype,
+    one_minus,
     product,
     scalar,
     sign,
@@ -70,6 +71,40 @@ class SGD(Optimizer):
 
     def create_state(self, index: str, weight: Array) -> dict[str, Array]:
         return {"mom": zeros_like(weight)} if self.momentum != 0.0 else {}
+
+    def lazy_rows(self) -> bool:
+        """MXNet's ``sgd_update``/``sgd_mom_update`` take row_sparse gradients lazily when ``lazy_update``."""
+        return self.lazy_update
+
+    def update_rows(self, index: str, weight: Array, grad: Array, state: dict[str, Array]) -> None:
+        """The lazy update of the pushed rows.  With momentum, MXNet's lazy ``sgd_mom_update`` does the dense
+        rule's arithmetic; without, its sparse ``sgd_update`` computes ``(1 - lr*wd) * w - (lr*rescale) * g``
+        (``lr * clip(rescale * g)`` when clipping), which rounds differently from the dense rule."""
+        if state.get("mom") is not None or "weight32" in state or not (_is_numpy(weight) and _is_numpy(grad)):
+            super().update_rows(index, weight, grad, state)
+            return
+        self._update_count(index)
+        lr, wd = self._get_lr(index), self._get_wd(index)
+        dt = np_dtype(weight)
+        keep = dt.type(one_minus(dt, product(dt, lr, wd)))
+        clipping = self._clipping()
+        if clipping:
+            rescale, bound, s_lr = (dt.type(product(dt, self.rescale_grad)), dt.type(product(dt, self.clip_gradient)),
+                                    dt.type(product(dt, lr)))
+        else:
+            scale = dt.type(product(dt, lr, self.rescale_grad))
+
+        def rule(w: np.ndarray, g: np.ndarray, t: np.ndarray) -> None:
+            if clipping:
+                np.multiply(g, rescale, out=t)
+                clip_kernel(t, bound)
+                t *= s_lr
+            else:
+                np.multiply(g, scale, out=t)
+            w *= keep
+            w -= t
+
+        blockwise(rule, weight, grad, scratch=1)
 
     def update(self, index: str, weight: Array, grad: Array, state: dict[str, Array]) -> None:
         self._update_count(index)
@@ -310,6 +345,10 @@ class LARS(SGD):
             self.last_lr = lr
         self.cur_lr = lr
         return lr
+
+    def lazy_rows(self) -> bool:
+        """LARS scales the rate by norms over the whole key: its row_sparse pushes take the dense rule."""
+        return False
 
     def update(self, index: str, weight: Array, grad: Array, state: dict[str, Array]) -> None:
         self.update_multi_precision(index, weight, grad, state)

@@ -68,6 +68,14 @@ class Updater:
 
     def __call__(self, key: str, grad: Array, weight: Array) -> None:
         """Apply one update for ``key``: ``weight`` changes in place, the key's state advances."""
+        self._run(key, grad, weight, rows=False)
+
+    def update_rows(self, key: str, grad: Array, weight: Array) -> None:
+        """The lazy update of a row_sparse push: ``weight``, ``grad`` and the key's current state hold only
+        the pushed rows (see :meth:`Optimizer.update_rows`)."""
+        self._run(key, grad, weight, rows=True)
+
+    def _run(self, key: str, grad: Array, weight: Array, rows: bool) -> None:
         key = str(key)
         if tuple(grad.shape) != tuple(weight.shape):
             raise ConfigError(f"key {key!r}: gradient shape {tuple(grad.shape)} does not match the weight's "
@@ -86,7 +94,8 @@ class Updater:
         elif key in self._restored or _misplaced(state, weight):
             self._conform(key, state, weight)
             self._restored.discard(key)
-        self.optimizer.update_multi_precision(key, weight, _astype(grad, weight), state)
+        rule = self.optimizer.update_rows if rows else self.optimizer.update_multi_precision
+        rule(key, weight, _astype(grad, weight), state)
         if tensor is not None and tensor.data_ptr() != weight.__array_interface__["data"][0]:
             _copy_into(tensor, weight)
 

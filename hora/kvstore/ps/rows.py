@@ -10,7 +10,8 @@ those rows, a ``ROW_PULL`` names row ids and is answered with just those rows.
   per row id (:func:`merge_rows`), as MXNet's server adds row_sparse arrays;
   a push with no rows still counts as the worker's push for the round.
 * **apply**: with an optimizer that allows it (:func:`lazy_allowed`: SGD and
-  Adam with ``lazy_update=True``, MXNet's lazy update), only the pushed rows
+  Adam with ``lazy_update=True``, AdaGrad and Ftrl, as MXNet's lazy and
+  sparse kernels), only the pushed rows
   of the value and of the optimizer's state change; otherwise the rows are
   scattered into a zero gradient and the dense update runs (what MXNet does
   for optimizers without a sparse kernel, and for ``lazy_update=False``).
@@ -52,18 +53,16 @@ def merge_rows(parts: list[tuple[np.ndarray, np.ndarray]], width: int,
 
 
 def lazy_allowed(updater: Any) -> bool:
-    """Whether the updater's optimizer may update only the pushed rows (MXNet's ``lazy_update``).
+    """Whether the updater's optimizer updates only the pushed rows (:meth:`Optimizer.lazy_rows`).
 
-    True for SGD (and ccSGD) and Adam with ``lazy_update``: their update of
-    one element reads only that element's weight, gradient and state, so
-    updating a subset of rows is exactly MXNet's lazy update.  LARS (a norm over
-    the whole key) and the optimizers without a lazy mode take the dense path.
+    True where MXNet 1.9.1 has a lazy or sparse kernel: SGD (and ccSGD) and
+    Adam with ``lazy_update``, AdaGrad (its sparse kernel) and Ftrl.  Each of
+    them updates one element from that element's weight, gradient and state,
+    so updating a subset of rows is exactly that kernel.  LARS (a norm over the
+    whole key) and the optimizers without such a kernel take the dense path.
     """
-    from hora.kvstore.optimizer.adaptive import Adam
-    from hora.kvstore.optimizer.sgd import SGD, ccSGD
-
     opt = getattr(updater, "optimizer", None)
-    return type(opt) in (SGD, ccSGD, Adam) and bool(getattr(opt, "lazy_update", False))
+    return opt is not None and opt.lazy_rows()
 
 
 def apply_rows(updater: Any, key: str, ids: np.ndarray, rows: np.ndarray, value: np.ndarray, width: int) -> None:
@@ -73,8 +72,8 @@ def apply_rows(updater: Any, key: str, ids: np.ndarray, rows: np.ndarray, value:
         grad.reshape(-1, width)[ids] = rows.reshape(-1, width)
         updater(key, grad, value)
         return
-    if ids.size == 0:
-        return  # a lazy update of no rows changes nothing (MXNet's lazy kernels skip empty gradients)
+    # A push of no rows still runs the rule over zero rows: MXNet's updater counts the update (Adam's step,
+    # the scheduler) before its kernel returns early on an empty gradient.
     matrix = value.reshape(-1, width)
     sub = np.take(matrix, ids, axis=0).reshape(-1)  # (take: faster than fancy indexing on big arrays)
     states = updater.states.get(key)
@@ -87,7 +86,7 @@ def apply_rows(updater: Any, key: str, ids: np.ndarray, rows: np.ndarray, value:
     # is put back after, with those rows written in.
     updater.states[key] = picked
     try:
-        updater(key, np.ascontiguousarray(rows, dtype=value.dtype).reshape(-1), sub)
+        updater.update_rows(key, np.ascontiguousarray(rows, dtype=value.dtype).reshape(-1), sub)
     finally:
         updater.states[key] = states
     matrix[ids] = sub.reshape(-1, width)

@@ -4,7 +4,7 @@
 with repeated and unsorted ids and rows never pushed, ``pull`` skipping
 row_sparse outs and refusing ``ignore_sparse=False`` (as MXNet's dist stores),
 merged row pushes (one worker pushing no rows) under MXNet's ``test``
-optimizer, and lazy SGD and Adam equal bit for bit to MXNet's own updater on the
+optimizer, and lazy SGD, Adam, AdaGrad and Ftrl equal bit for bit to MXNet's own updater on the
 merged row_sparse gradient.  ``--gluon``: a ``SparseEmbedding``
 (row_sparse weight) through ``kvstore='hora_dist_sync'``, then an
 ``nn.Embedding(sparse_grad=True)`` (dense weight, row_sparse gradient) through
@@ -69,6 +69,12 @@ def check_store(kv) -> None:
     else:
         raise AssertionError("pull(ignore_sparse=False) was accepted")
     assert isinstance(kv, mx.kv.KVStore)  # a real subclass, for gluon's checks (docs/sparse.md)
+    try:  # as MXNet ("Mixed key types are not allowed"): an int key in a store of str keys, an MXNetError
+        kv.init(999, mx.nd.ones((2, 2)).tostype("row_sparse"))
+    except mx.base.MXNetError as e:
+        assert "do not mix int and str keys" in str(e), e
+    else:
+        raise AssertionError("an int key was accepted among str keys")
 
     kv.set_optimizer(mx.optimizer.create("test", rescale_grad=0.5))  # w += 0.5 * g
     value = want.copy()
@@ -83,16 +89,18 @@ def check_store(kv) -> None:
         kv.pull("emb", out=dense)
         np.testing.assert_allclose(dense.asnumpy(), value, rtol=1e-6)
 
-    for name, params in (("sgd", {"learning_rate": 0.1, "momentum": 0.9, "wd": 0.1}),
-                         ("adam", {"learning_rate": 0.01, "wd": 0.01})):
-        key = f"lazy_{name}"
+    for key, name, params in (("lazy_sgd", "sgd", {"learning_rate": 0.1, "momentum": 0.9, "wd": 0.1}),
+                              ("lazy_sgd_plain", "sgd", {"learning_rate": 0.1, "wd": 0.1, "rescale_grad": 0.5}),
+                              ("lazy_adam", "adam", {"learning_rate": 0.01, "wd": 0.01}),
+                              ("lazy_adagrad", "adagrad", {"learning_rate": 0.1}),
+                              ("lazy_ftrl", "ftrl", {"learning_rate": 0.1, "lamda1": 0.001, "wd": 0.01})):
         kv.init(key, mx.nd.array(initial()))
         kv.set_optimizer(mx.optimizer.create(name, **params))  # lazy_update=True is MXNet's default
         updater = mx.optimizer.get_updater(mx.optimizer.create(name, **params))
-        local = mx.nd.array(initial())
+        local = mx.nd.array(initial()).tostype("row_sparse")  # as MXNet's server holds a row_sparse key
         for it in range(3):
             kv.push(key, grad_of(rank, it))
-            updater(0, merged(it, workers), local)  # MXNet's own lazy update: dense weight, row_sparse grad
+            updater(0, merged(it, workers), local)  # MXNet's own lazy (or sparse) kernel
             got = mx.nd.zeros(SHAPE)
             kv.pull(key, out=got)
             np.testing.assert_array_equal(got.asnumpy(), local.asnumpy(), err_msg=f"{name} step {it}")
