@@ -15,7 +15,7 @@ import hora.torch as hvd
 from hora.core.buffers.numpy_ops import NUMPY
 from hora.core.buffers.torch_ops import TORCH
 from hora.core.compression import Compression, ErrorFeedback, PowerSGD, parse_spec
-from hora.core.compression.exchange import FlatLayout
+from hora.core.compression.exchange import FlatLayout, fingerprint, tensor_digest
 from hora.core.compression.powersgd import matrix_rank
 from hora.core.ops import ReduceOp
 from hora.errors import ConfigError
@@ -232,3 +232,15 @@ def test_stateless_casts_keep_horovods_api(family):
         np.testing.assert_allclose(_np(back), _np(x), atol=1e-2)
     sent, ctx = Compression.none.compress(x)
     assert sent is x and Compression.none.decompress(sent, ctx) is x
+
+
+def test_fingerprint_tells_step_settings_and_tensors_apart():
+    tensors = [("0.weight", (4, 3), "float32"), ("0.bias", (4,), "float32")]
+    base = {"kind": "powersgd", "rank": 2, "step": 3}
+    d = fingerprint(base, tensors)
+    assert 0 <= d < 2**31
+    assert fingerprint(dict(reversed(base.items())), tensors) == d  # the order of the settings does not count
+    assert fingerprint(base, tensor_digest(tensors)) == d  # a kept digest of the list gives the same value
+    assert fingerprint({**base, "step": 4}, tensors) != d
+    assert fingerprint({**base, "rank": 1}, tensors) != d
+    assert fingerprint(base, [tensors[0], ("0.bias", (5,), "float32")]) != d

@@ -110,9 +110,10 @@ class StatefulCompressor(abc.ABC):
     them, on every rank; the collectives it needs go through
     :func:`hora.core.compression.exchange.allreduce_flat` (one entry point,
     named, fused up to the fusion threshold).  ``settings`` is what must be
-    equal on every rank: the first ``reduce`` compares it across ranks (see
-    :func:`hora.core.compression.exchange.check_settings`) and fails on every
-    rank, naming the tensor and the setting, where it differs.
+    equal on every rank: each ``reduce`` of the built-in ones compares a
+    digest of it, the step counter and the tensor list across ranks first (see
+    :func:`hora.core.compression.exchange.check_in_step`) and fails on every
+    rank, naming the tensor and the setting, where they differ.
 
     One object belongs to one optimizer: its state is that optimizer's.
     """
