@@ -244,3 +244,26 @@ def test_fingerprint_tells_step_settings_and_tensors_apart():
     assert fingerprint({**base, "step": 4}, tensors) != d
     assert fingerprint({**base, "rank": 1}, tensors) != d
     assert fingerprint(base, [tensors[0], ("0.bias", (5,), "float32")]) != d
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_large_batches_written_straight_into_gradients_match_the_scratch_path(family, monkeypatch):
+    """PowerSGD writes a large batch's approximation into the gradients; the result equals the scratch stack's."""
+    import hora.core.compression.powersgd as powersgd
+
+    shapes = [(20, 30), (20, 30), (6, 4, 3), (30,)]
+    names = [f"t{i}" for i in range(len(shapes))]
+    rng = np.random.default_rng(5)
+    steps = [[rng.standard_normal(s) for s in shapes] for _ in range(3)]
+    results = {}
+    for direct in (False, True):
+        monkeypatch.setattr(powersgd, "DIRECT_ELEMENTS", 0 if direct else 1 << 40)
+        c = PowerSGD(rank=2, min_compression_rate=0)
+        for grads in steps:
+            tensors = [_as(family, g) for g in grads]
+            c.reduce(tensors, names, op=ReduceOp.SUM, prescale=0.5)
+        assert all(b.direct == direct for g in c._groups for b in g.batches)
+        state = c.state_dict()["tensors"]
+        results[direct] = [_np(t) for t in tensors] + [_np(state[n]["residual"]) for n in names[:3]]
+    for a, b in zip(results[False], results[True], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
