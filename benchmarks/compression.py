@@ -30,6 +30,9 @@ every case in turn (hora's cases, then DDP wrapping the same module with
 case's buffers are freed before the next: at most one case's state is alive.
 
 ``--hora-cases`` / ``--ddp-cases`` pick cases (comma-separated; default: all).
+``fp16-horovod`` is the float16 cast as a compressor written Horovod's way
+(a subclass whose ``compress`` returns a new tensor each step): the path that
+``fp16`` took before its wire buffers were kept between steps.
 """
 
 from __future__ import annotations
@@ -83,6 +86,18 @@ def _timed(fn, warmup: int, iters: int) -> float:
         times.append(time.perf_counter() - t0)
     # the slowest rank sets a step's time; every rank reports its own, the driver takes the max
     return statistics.median(times)
+
+
+def _horovod_style_fp16() -> type:
+    """``Compression.fp16`` as a user's Horovod-style subclass: a new wire tensor per step, decompress, copy."""
+    from hora.core.compression import Compression, FP16Compressor
+
+    class HorovodStyleFP16(Compression.fp16):
+        @staticmethod
+        def compress(tensor):
+            return FP16Compressor.compress(tensor)
+
+    return HorovodStyleFP16
 
 
 def _peak_mib() -> float:
@@ -151,7 +166,8 @@ def worker(args: argparse.Namespace) -> None:
         base = _timed(local, 1, 2 * args.iters)
         row = {"backward_s": base}
         for spec in args.hora_cases.split(","):
-            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), compression=parse_spec(spec),
+            compression = _horovod_style_fp16() if spec == "fp16-horovod" else parse_spec(spec)
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), compression=compression,
                                            named_parameters=[(f"{name}.{i}", p) for i, p in enumerate(model.ps)])
 
             def step(model=model, opt=opt) -> None:
@@ -275,7 +291,7 @@ def driver(args: argparse.Namespace) -> None:
         print("| compressor | hora | hora / hora none | DDP | hora / DDP |\n|---|---|---|---|---|")
         for spec in args.hora_cases.split(","):
             h = row[f"hora {spec}"]
-            d = row.get(f"ddp {spec}")
+            d = row.get(f"ddp {spec.removesuffix('-horovod')}")
             ddp = f"{d:.3f} s | {h / d:.2f}x" if d else "— | —"
             ratio = f"{h / plain:.2f}x" if plain else "—"
             print(f"| {spec} | {h:.3f} s | {ratio} | {ddp} |")

@@ -267,3 +267,37 @@ def test_large_batches_written_straight_into_gradients_match_the_scratch_path(fa
         results[direct] = [_np(t) for t in tensors] + [_np(state[n]["residual"]) for n in names[:3]]
     for a, b in zip(results[False], results[True], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_wire_buffers_reuse_one_buffer_per_gradient_and_cast_back_in_place(family):
+    from hora.core.compression import WireBuffers
+
+    wire = WireBuffers()
+    x = _as(family, np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4))
+    for comp, dtype in ((Compression.fp16, "float16"), (Compression.bf16, "bfloat16")):
+        sent, ctx = wire.compress(comp, x, "w")
+        again, _ = wire.compress(comp, x * 2, "w")
+        assert again is sent and str(sent.dtype).endswith(dtype), "the wire buffer was not reused"
+        out = _as(family, np.zeros((3, 4), np.float32))
+        wire.decompress_into(comp, sent, ctx, out)
+        np.testing.assert_allclose(_np(out), 2 * _np(x), atol=2e-2)
+        other, _ = wire.compress(comp, x, "b")
+        assert other is not sent
+    # Not a built-in cast: the compressor's own methods, no buffer kept.
+    sent, ctx = wire.compress(Compression.none, x, "w")
+    assert sent is x and ctx is None
+
+    class Negate(Compression.fp16):
+        @staticmethod
+        def compress(tensor):
+            return -tensor, "neg"
+
+        @staticmethod
+        def decompress(tensor, ctx):
+            return -tensor
+
+    sent, ctx = wire.compress(Negate, x, "w")
+    out = _as(family, np.zeros((3, 4), np.float32))
+    wire.decompress_into(Negate, sent, ctx, out)
+    np.testing.assert_allclose(_np(out), _np(x))
