@@ -173,7 +173,10 @@ class _DistributedOptimizer(WrappedOptimizer):
         """Submit the allreduce of ``params``' gradients (``scaled``: already divided by the set size)."""
         grads, ctxs = [], []
         for p in params:
-            compressed, ctx = self._wire.compress(self._compression, self._grad_of(p), id(p))
+            if self._compression is Compression.none:  # the uncompressed path stays as it was
+                compressed, ctx = self._grad_of(p), None
+            else:
+                compressed, ctx = self._wire.compress(self._compression, self._grad_of(p), id(p))
             grads.append(compressed)
             ctxs.append(ctx)
         op, prescale = self._op, self._prescale
