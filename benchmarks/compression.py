@@ -22,14 +22,26 @@ Run (as root)::
     python benchmarks/compression.py --hosts 4 --link 1gbit --sets resnet50,vgg16
 
 It prints markdown tables, with ratios against hora's uncompressed exchange
-and against DDP at the same setting.
+and against DDP at the same setting, and each rank's peak memory.
+
+Memory: VGG16's gradients are 528 MiB a rank.  One module per set serves
+every case in turn (hora's cases, then DDP wrapping the same module with
+``gradient_as_bucket_view``, so its one bucket *is* the gradients), and each
+case's buffers are freed before the next: at most one case's state is alive.
+
+``--hora-cases`` / ``--ddp-cases`` pick cases (comma-separated; default: all).
+``fp16-horovod`` is the float16 cast as a compressor written Horovod's way
+(a subclass whose ``compress`` returns a new tensor each step): the path that
+``fp16`` took before its wire buffers were kept between steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -76,6 +88,22 @@ def _timed(fn, warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
+def _horovod_style_fp16() -> type:
+    """``Compression.fp16`` as a user's Horovod-style subclass: a new wire tensor per step, decompress, copy."""
+    from hora.core.compression import Compression, FP16Compressor
+
+    class HorovodStyleFP16(Compression.fp16):
+        @staticmethod
+        def compress(tensor):
+            return FP16Compressor.compress(tensor)
+
+    return HorovodStyleFP16
+
+
+def _peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -98,15 +126,33 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://{rdv}:{port}", rank=rank, world_size=size)
     results: dict[str, dict[str, float]] = {}
 
+    class HalfSquares(torch.autograd.Function):
+        """sum(p*p)/2 over all parameters, whose gradient is each parameter itself (full rank).
+
+        Backward hands the parameters over as their gradients, which autograd
+        adds into the existing ``.grad`` in place: no temporaries, where
+        ``(p*p).sum()`` made two of VGG16's 392 MiB layer at once.
+        """
+
+        @staticmethod
+        def forward(ctx, *ps):
+            ctx.save_for_backward(*ps)
+            return ps[0].new_zeros(())
+
+        @staticmethod
+        def backward(ctx, grad):
+            return ctx.saved_tensors
+
     class GradSet(torch.nn.Module):
         def __init__(self, shapes):
             super().__init__()
             g = torch.Generator().manual_seed(rank)
             self.ps = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s, generator=g) * 0.01) for s in shapes)
+            for p in self.ps:
+                p.grad = torch.zeros_like(p)  # defined from the start: backward adds into it, never aliases p
 
         def forward(self):
-            # d/dp of sum(p*p)/2 is p: a full-rank gradient for every matrix
-            return sum((p * p).sum() for p in self.ps) / 2
+            return HalfSquares.apply(*self.ps)
 
     for name in args.sets.split(","):
         shapes = gradient_set(name)
@@ -119,8 +165,9 @@ def worker(args: argparse.Namespace) -> None:
 
         base = _timed(local, 1, 2 * args.iters)
         row = {"backward_s": base}
-        for spec in HORA_CASES:
-            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), compression=parse_spec(spec),
+        for spec in args.hora_cases.split(","):
+            compression = _horovod_style_fp16() if spec == "fp16-horovod" else parse_spec(spec)
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), compression=compression,
                                            named_parameters=[(f"{name}.{i}", p) for i, p in enumerate(model.ps)])
 
             def step(model=model, opt=opt) -> None:
@@ -130,9 +177,13 @@ def worker(args: argparse.Namespace) -> None:
 
             row[f"hora {spec}"] = _timed(step, args.warmup, args.iters) - base
             opt.remove_hooks()
-            del opt
-        for spec in DDP_CASES:
-            ddp = DistributedDataParallel(GradSet(shapes), bucket_cap_mb=mib * 2 + 1)
+            del opt, step
+            gc.collect()  # the compressor's buffers go before the next case's are made
+        row["hora peak MiB"] = _peak_mib()
+        # DDP wraps the same module: its one bucket becomes the gradients (gradient_as_bucket_view), so
+        # no second copy of the parameters or gradients exists while it runs.
+        for spec in args.ddp_cases.split(","):
+            ddp = DistributedDataParallel(model, bucket_cap_mb=mib * 2 + 1, gradient_as_bucket_view=True)
             if spec == "fp16":
                 ddp.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
             elif spec.startswith("powersgd"):
@@ -148,7 +199,11 @@ def worker(args: argparse.Namespace) -> None:
             ddp_step()  # DDP's first iteration differs (bucket rebuild); PowerSGD starts after 2 plain steps
             ddp_step()
             row[f"ddp {spec}"] = _timed(ddp_step, args.warmup, args.iters) - base
-            del ddp
+            del ddp, ddp_step
+            gc.collect()
+        row["peak MiB"] = _peak_mib()
+        del model, local
+        gc.collect()
         results[name] = row
         if rank == 0:
             print(json.dumps({"progress": name}), flush=True)
@@ -219,6 +274,7 @@ def driver(args: argparse.Namespace) -> None:
         cmd = [*where.prefix, sys.executable, "-m", "hora.runner.cli", "run", "-np", str(args.hosts), "--gloo",
                "-H", hosts, *where.run_args, "--", sys.executable, str(Path(__file__).resolve()), "--worker",
                "--sets", args.sets, "--iters", str(args.iters), "--warmup", str(args.warmup),
+               "--hora-cases", args.hora_cases, "--ddp-cases", args.ddp_cases,
                *(["--mlp"] if args.mlp else [])]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=job_env(), timeout=args.timeout)
     lines = [ln.split("RESULT ", 1)[1] for ln in proc.stdout.splitlines() if "RESULT " in ln]
@@ -230,15 +286,21 @@ def driver(args: argparse.Namespace) -> None:
     for name in args.sets.split(","):
         # a step ends when its slowest rank does
         row = {k: max(r[name][k] for r in per_rank) for k in per_rank[0][name]}
-        plain = row["hora none"]
+        plain = row.get("hora none")
         print(f"### {name}: exchange time (backward + reduction - backward alone {row['backward_s'] * 1e3:.0f} ms)\n")
         print("| compressor | hora | hora / hora none | DDP | hora / DDP |\n|---|---|---|---|---|")
-        for spec in HORA_CASES:
+        for spec in args.hora_cases.split(","):
             h = row[f"hora {spec}"]
-            d = row.get(f"ddp {spec}")
+            d = row.get(f"ddp {spec.removesuffix('-horovod')}")
             ddp = f"{d:.3f} s | {h / d:.2f}x" if d else "— | —"
-            print(f"| {spec} | {h:.3f} s | {h / plain:.2f}x | {ddp} |")
-        print()
+            ratio = f"{h / plain:.2f}x" if plain else "—"
+            print(f"| {spec} | {h:.3f} s | {ratio} | {ddp} |")
+        if "ddp none" in row:
+            print("\nDDP's own ratios to its plain run: " + ", ".join(
+                f"{spec} {row[f'ddp {spec}'] / row['ddp none']:.2f}x" for spec in args.ddp_cases.split(",")
+                if spec != "none"))
+        print(f"\nPeak memory per rank (max over ranks): after hora's cases {row['hora peak MiB']:.0f} MiB, "
+              f"after DDP's {row['peak MiB']:.0f} MiB\n")
     if args.mlp:
         row = {k: min(r["mlp_samples_per_s"][k] for r in per_rank) for k in per_rank[0]["mlp_samples_per_s"]}
         print("### MLP 784-1024-1024-10 training, samples/s (all ranks)\n")
@@ -261,6 +323,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=float, default=3000)
+    p.add_argument("--hora-cases", default=",".join(HORA_CASES), help="hora compressors to run (see the docstring)")
+    p.add_argument("--ddp-cases", default=",".join(DDP_CASES), help="DDP hooks to run: none, fp16, powersgd:R")
     args = p.parse_args()
     worker(args) if args.worker else driver(args)
 

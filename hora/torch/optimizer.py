@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from hora.core import runtime
-from hora.core.compression import is_stateful
+from hora.core.compression import WireBuffers, is_stateful
 from hora.core.objects import broadcast_object
 from hora.core.ops import ReduceOp
 from hora.core.runtime import global_process_set
@@ -49,6 +49,7 @@ class _DistributedOptimizer(WrappedOptimizer):
         # so LR schedulers and state_dict() see one truth.
         self._opt = optimizer
         self._compression = compression
+        self._wire = WireBuffers()  # fp16/bf16 casts: the wire copies are kept between steps
         self._process_set = process_set
         self._sparse_as_dense = sparse_as_dense
         if backward_passes_per_step < 1:
@@ -172,7 +173,10 @@ class _DistributedOptimizer(WrappedOptimizer):
         """Submit the allreduce of ``params``' gradients (``scaled``: already divided by the set size)."""
         grads, ctxs = [], []
         for p in params:
-            compressed, ctx = self._compression.compress(self._grad_of(p))
+            if self._compression is Compression.none:  # the uncompressed path stays as it was
+                compressed, ctx = self._grad_of(p), None
+            else:
+                compressed, ctx = self._wire.compress(self._compression, self._grad_of(p), id(p))
             grads.append(compressed)
             ctxs.append(ctx)
         op, prescale = self._op, self._prescale
@@ -260,7 +264,7 @@ class _DistributedOptimizer(WrappedOptimizer):
             mpi_ops.synchronize(handle)
             for p, g, ctx in zip(params, grads, ctxs, strict=True):
                 if ctx is not None or g is not p.grad:
-                    p.grad.copy_(self._compression.decompress(g, ctx))
+                    self._wire.decompress_into(self._compression, g, ctx, p.grad)
 
     def _reduce_stateful(self) -> None:
         """Hand every gradient of the step to the stateful compressor, which reduces them in place.

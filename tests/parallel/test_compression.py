@@ -102,28 +102,87 @@ def test_state_dict_carries_the_compressor_and_broadcast_syncs_it():
     assert float(residual.abs().max()) == 0.0  # residuals restart from zero, on every rank
 
 
-def test_settings_that_differ_fail_on_every_rank_naming_tensor_and_setting():
-    model = _model()
-    comp = hvd.Compression.powersgd(rank=1 + (hvd.rank() == 1), min_compression_rate=0)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression=comp,
-                                   named_parameters=model.named_parameters())
-    x, y = _batch(0, hvd.rank())
+def _step_outcome(opt: hvd.DistributedOptimizer, model: torch.nn.Module, step: int) -> list[BaseException]:
+    """One training step in a thread with a deadline: the exceptions it raised (a hang fails the test)."""
+    x, y = _batch(step, hvd.rank())
+    opt.zero_grad()
     torch.nn.functional.cross_entropy(model(x), y).backward()
     outcome: list[BaseException] = []
 
-    def step() -> None:
+    def run() -> None:
         try:
             opt.step()
         except BaseException as e:  # noqa: BLE001 - handed to the test thread
             outcome.append(e)
 
-    t = threading.Thread(target=step, daemon=True)
+    t = threading.Thread(target=run, daemon=True)
     t.start()
     t.join(60)
-    assert not t.is_alive(), "a compressor mismatch hung instead of raising"
+    assert not t.is_alive(), "a compressor state mismatch hung instead of raising"
+    if outcome:
+        opt.clear_pending()  # the failed step's gradients are abandoned
+    return outcome
+
+
+def test_settings_that_differ_fail_on_every_rank_naming_tensor_and_setting():
+    model = _model()
+    comp = hvd.Compression.powersgd(rank=1 + (hvd.rank() == 1), min_compression_rate=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression=comp,
+                                   named_parameters=model.named_parameters())
+    outcome = _step_outcome(opt, model, 0)
     assert len(outcome) == 1 and isinstance(outcome[0], MismatchError), outcome
     message = str(outcome[0])
     assert "'0.weight'" in message and "'rank'" in message and "rank 1: 2" in message, message
+
+
+def _powersgd_optimizer() -> tuple[torch.nn.Module, hvd.DistributedOptimizer, object]:
+    model = _model()
+    comp = hvd.Compression.powersgd(rank=1, start_step=2, min_compression_rate=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression=comp,
+                                   named_parameters=model.named_parameters())
+    return model, opt, comp
+
+
+def _fails_naming_the_step(outcome: list[BaseException], steps: dict[int, int]) -> None:
+    assert len(outcome) == 1 and isinstance(outcome[0], MismatchError), outcome
+    message = str(outcome[0])
+    assert "'0.weight'" in message and "different steps" in message, message
+    for r, s in steps.items():
+        assert f"rank {r}: {s}" in message, message
+    assert "load_state_dict" in message and "broadcast_optimizer_state" in message, message
+
+
+def test_state_loaded_on_some_ranks_fails_at_the_next_step_then_a_sync_recovers():
+    """Mid-training, rank 0 restores a checkpoint from before start_step (it would send plain gradients) while
+    the other ranks go on past it (they would send P and Q): without a check they wait on each other."""
+    model, opt, comp = _powersgd_optimizer()
+    assert not _step_outcome(opt, model, 0)
+    saved = opt.state_dict()
+    assert saved["hora_compression"]["step"] == 1
+    for s in range(1, 3):
+        assert not _step_outcome(opt, model, s)
+    if hvd.rank() == 0:
+        opt.load_state_dict(saved)
+    _fails_naming_the_step(_step_outcome(opt, model, 3), {0: 1, 1: 3})
+    # Nothing was left in flight: the advice works, and the ranks then train in step.
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert comp.step == 1
+    for s in range(3, 5):
+        assert not _step_outcome(opt, model, s)
+    _same_on_every_rank(model)
+
+
+def test_state_reset_on_some_ranks_fails_at_the_next_step():
+    model, opt, comp = _powersgd_optimizer()
+    for s in range(3):
+        assert not _step_outcome(opt, model, s)
+    if hvd.rank() == 1:
+        comp.reset()
+    _fails_naming_the_step(_step_outcome(opt, model, 3), {0: 3, 1: 0})
+    # A reset on every rank brings them together again.
+    comp.reset()
+    assert not _step_outcome(opt, model, 4)
 
 
 def test_unsupported_op_is_refused():

@@ -15,7 +15,7 @@ import hora.torch as hvd
 from hora.core.buffers.numpy_ops import NUMPY
 from hora.core.buffers.torch_ops import TORCH
 from hora.core.compression import Compression, ErrorFeedback, PowerSGD, parse_spec
-from hora.core.compression.exchange import FlatLayout
+from hora.core.compression.exchange import FlatLayout, fingerprint, tensor_digest
 from hora.core.compression.powersgd import matrix_rank
 from hora.core.ops import ReduceOp
 from hora.errors import ConfigError
@@ -232,3 +232,72 @@ def test_stateless_casts_keep_horovods_api(family):
         np.testing.assert_allclose(_np(back), _np(x), atol=1e-2)
     sent, ctx = Compression.none.compress(x)
     assert sent is x and Compression.none.decompress(sent, ctx) is x
+
+
+def test_fingerprint_tells_step_settings_and_tensors_apart():
+    tensors = [("0.weight", (4, 3), "float32"), ("0.bias", (4,), "float32")]
+    base = {"kind": "powersgd", "rank": 2, "step": 3}
+    d = fingerprint(base, tensors)
+    assert 0 <= d < 2**31
+    assert fingerprint(dict(reversed(base.items())), tensors) == d  # the order of the settings does not count
+    assert fingerprint(base, tensor_digest(tensors)) == d  # a kept digest of the list gives the same value
+    assert fingerprint({**base, "step": 4}, tensors) != d
+    assert fingerprint({**base, "rank": 1}, tensors) != d
+    assert fingerprint(base, [tensors[0], ("0.bias", (5,), "float32")]) != d
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_large_batches_written_straight_into_gradients_match_the_scratch_path(family, monkeypatch):
+    """PowerSGD writes a large batch's approximation into the gradients; the result equals the scratch stack's."""
+    import hora.core.compression.powersgd as powersgd
+
+    shapes = [(20, 30), (20, 30), (6, 4, 3), (30,)]
+    names = [f"t{i}" for i in range(len(shapes))]
+    rng = np.random.default_rng(5)
+    steps = [[rng.standard_normal(s) for s in shapes] for _ in range(3)]
+    results = {}
+    for direct in (False, True):
+        monkeypatch.setattr(powersgd, "DIRECT_ELEMENTS", 0 if direct else 1 << 40)
+        c = PowerSGD(rank=2, min_compression_rate=0)
+        for grads in steps:
+            tensors = [_as(family, g) for g in grads]
+            c.reduce(tensors, names, op=ReduceOp.SUM, prescale=0.5)
+        assert all(b.direct == direct for g in c._groups for b in g.batches)
+        state = c.state_dict()["tensors"]
+        results[direct] = [_np(t) for t in tensors] + [_np(state[n]["residual"]) for n in names[:3]]
+    for a, b in zip(results[False], results[True], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_wire_buffers_reuse_one_buffer_per_gradient_and_cast_back_in_place(family):
+    from hora.core.compression import WireBuffers
+
+    wire = WireBuffers()
+    x = _as(family, np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4))
+    for comp, dtype in ((Compression.fp16, "float16"), (Compression.bf16, "bfloat16")):
+        sent, ctx = wire.compress(comp, x, "w")
+        again, _ = wire.compress(comp, x * 2, "w")
+        assert again is sent and str(sent.dtype).endswith(dtype), "the wire buffer was not reused"
+        out = _as(family, np.zeros((3, 4), np.float32))
+        wire.decompress_into(comp, sent, ctx, out)
+        np.testing.assert_allclose(_np(out), 2 * _np(x), atol=2e-2)
+        other, _ = wire.compress(comp, x, "b")
+        assert other is not sent
+    # Not a built-in cast: the compressor's own methods, no buffer kept.
+    sent, ctx = wire.compress(Compression.none, x, "w")
+    assert sent is x and ctx is None
+
+    class Negate(Compression.fp16):
+        @staticmethod
+        def compress(tensor):
+            return -tensor, "neg"
+
+        @staticmethod
+        def decompress(tensor, ctx):
+            return -tensor
+
+    sent, ctx = wire.compress(Negate, x, "w")
+    out = _as(family, np.zeros((3, 4), np.float32))
+    wire.decompress_into(Negate, sent, ctx, out)
+    np.testing.assert_allclose(_np(out), _np(x))

@@ -18,7 +18,9 @@ from hora.core.compression.base import (
     FP16Compressor,
     NoneCompressor,
     StatefulCompressor,
+    WireBuffers,
     gradient_name,
+    is_builtin_cast,
     is_stateful,
 )
 from hora.core.compression.feedback import ErrorFeedback
@@ -61,5 +63,5 @@ def parse_spec(spec: str) -> Compressor | StatefulCompressor | type:
 
 
 __all__ = ["BF16Compressor", "Compression", "Compressor", "ErrorFeedback", "FP16Compressor", "NoneCompressor",
-           "PowerSGD", "StatefulCompressor", "TensorStateCompressor", "gradient_name", "is_stateful",
-           "parse_spec"]
+           "PowerSGD", "StatefulCompressor", "TensorStateCompressor", "WireBuffers", "gradient_name",
+           "is_builtin_cast", "is_stateful", "parse_spec"]

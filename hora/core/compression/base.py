@@ -77,6 +77,57 @@ class _CastCompressor(Compressor):
         return tensor if ctx is None else ops_for(tensor).astype(tensor, ctx)
 
 
+def is_builtin_cast(compression: Any) -> bool:
+    """True for ``Compression.fp16`` / ``bf16`` (or a subclass that keeps their casts): wire buffers may be reused."""
+    return (isinstance(compression, type) and issubclass(compression, _CastCompressor)
+            and getattr(compression.compress, "__func__", None) is _CastCompressor.compress.__func__
+            and compression.decompress is _CastCompressor.decompress)
+
+
+class WireBuffers:
+    """The wire copies of a binding's gradients under a built-in cast, kept from one step to the next.
+
+    ``compress`` casts into the buffer kept for the gradient's key (its
+    parameter), and ``decompress_into`` casts the reduced result straight
+    into the gradient.  Horovod's ``compress``/``decompress`` allocate both
+    a wire tensor and a full-precision one every step, which for VGG16's
+    528 MiB of gradients cost 2.4-5x the CPU of the casts themselves
+    (fresh pages, then a copy; docs/benchmarks.md).  Other compressors go
+    through their own ``compress``/``decompress`` unchanged.  A buffer is
+    reused only after the binding has waited for the collective that read
+    it, as an optimizer does before its next step.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[Any, Array] = {}
+
+    def compress(self, compression: Any, tensor: Array, key: Any) -> tuple[Array, Any]:
+        """``compression.compress(tensor)``, into the buffer kept under ``key`` when it is a built-in cast."""
+        if not is_builtin_cast(compression):
+            return compression.compress(tensor)
+        ops = ops_for(tensor)
+        dtype = ops.dtype_name(tensor)
+        if dtype not in FLOAT_DTYPES or dtype == compression.wire_dtype:
+            return tensor, None
+        buf = self._buffers.get(key)
+        shape, device = tuple(ops.shape(tensor)), ops.device(tensor)
+        if (buf is None or tuple(ops.shape(buf)) != shape or ops.device(buf) != device
+                or ops.dtype_name(buf) != compression.wire_dtype):
+            buf = self._buffers[key] = ops.empty(shape, compression.wire_dtype, device)
+        ops.copy_(buf, tensor)  # the cast
+        return buf, dtype
+
+    @staticmethod
+    def decompress_into(compression: Any, tensor: Array, ctx: Any, out: Array) -> None:
+        """Write ``compression.decompress(tensor, ctx)`` into ``out`` (a built-in cast: one cast, no temporary)."""
+        ops = ops_for(out)
+        ops.copy_(out, tensor if is_builtin_cast(compression) else compression.decompress(tensor, ctx))
+
+    def clear(self) -> None:
+        """Drop the kept buffers (their memory goes back)."""
+        self._buffers.clear()
+
+
 class NoneCompressor(Compressor):
     """Sends tensors as they are."""
 
@@ -110,9 +161,10 @@ class StatefulCompressor(abc.ABC):
     them, on every rank; the collectives it needs go through
     :func:`hora.core.compression.exchange.allreduce_flat` (one entry point,
     named, fused up to the fusion threshold).  ``settings`` is what must be
-    equal on every rank: the first ``reduce`` compares it across ranks (see
-    :func:`hora.core.compression.exchange.check_settings`) and fails on every
-    rank, naming the tensor and the setting, where it differs.
+    equal on every rank: each ``reduce`` of the built-in ones compares a
+    digest of it, the step counter and the tensor list across ranks first (see
+    :func:`hora.core.compression.exchange.check_in_step`) and fails on every
+    rank, naming the tensor and the setting, where they differ.
 
     One object belongs to one optimizer: its state is that optimizer's.
     """
@@ -186,4 +238,4 @@ def is_stateful(compression: Any) -> bool:
 
 
 __all__ = ["BF16Compressor", "Compressor", "FLOAT_DTYPES", "FP16Compressor", "NoneCompressor",
-           "StatefulCompressor", "gradient_name", "is_stateful"]
+           "StatefulCompressor", "WireBuffers", "gradient_name", "is_builtin_cast", "is_stateful"]

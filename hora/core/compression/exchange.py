@@ -4,14 +4,24 @@ A compressor packs what it sends (gradients, casts, PowerSGD's factors) into
 one flat buffer per dtype and device, described by a :class:`FlatLayout`,
 and reduces it with :func:`allreduce_flat`: one request through the core's
 entry point, cut into pieces no larger than the fusion threshold.
+
+Before each step's exchange, :func:`check_in_step` compares a 4-byte
+fingerprint of every rank's settings, step counter and tensor list in one
+16-byte allreduce.  Ranks that differ there would send different collectives
+(one plain, another PowerSGD's factors) and wait on each other until the
+stall limit; instead every rank learns it at once and
+:func:`check_settings` names what differs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import zlib
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from hora.core import collectives, runtime
 from hora.core.buffers import ITEMSIZE, Array, ArrayOps
@@ -85,13 +95,54 @@ def set_size(process_set: Any) -> int:
     return runtime.current().engine.size if size is None else int(size)
 
 
+def tensor_digest(tensors: Sequence[tuple[str, tuple[int, ...], str]]) -> int:
+    """A digest of a tensor list ``(name, shape, dtype)``, for :func:`fingerprint` (kept while the list holds)."""
+    return zlib.crc32(repr([tuple(t) for t in tensors]).encode())
+
+
+def fingerprint(settings: dict[str, Any], tensors: Sequence[tuple[str, tuple[int, ...], str]] | int) -> int:
+    """A 31-bit digest of a compressor's settings (step included) and tensor list, the same on every platform.
+
+    ``tensors`` may be given as its :func:`tensor_digest`.
+    """
+    start = tensors if isinstance(tensors, int) else tensor_digest(tensors)
+    return zlib.crc32(repr(sorted(settings.items())).encode(), start) & 0x7FFFFFFF
+
+
+def check_in_step(settings: dict[str, Any], tensors: Sequence[tuple[str, tuple[int, ...], str]], tag: str,
+                  process_set: Any = None, tensors_digest: int | None = None) -> None:
+    """Check that every rank's compressor is in the same state before a step's exchange; raise on every rank if not.
+
+    One allreduce (Max) of ``[d, -d]``, with ``d`` the :func:`fingerprint`
+    of the arguments: the ranks agree exactly when the result is ``[d,
+    -d]``, and every rank sees the same result, so all of them raise
+    together.  Only then are the details gathered, by :func:`check_settings`.
+    ``tensors_digest`` is :func:`tensor_digest` of ``tensors``, which a caller may keep.
+
+    Raises:
+        MismatchError: names the first tensor affected, what differs (a
+            setting, the step counter, a tensor) and each rank's value.
+    """
+    d = fingerprint(settings, tensors if tensors_digest is None else tensors_digest)
+    pair = np.array([d, -d], np.int64)
+    collectives.submit(CollectiveType.ALLREDUCE, [pair], name=f"compression.fingerprint.{tag}", op=ReduceOp.MAX,
+                       process_set=process_set, inplace=True, adapter=_RAW).wait()
+    if pair[0] == -pair[1]:
+        return
+    check_settings(settings, tensors, tag, process_set)
+    raise MismatchError(f"ranks' gradient compressors differ in state at tensor {tensors[0][0] if tensors else tag!r} "
+                        "(their digests differ, though settings, step and tensor list print alike); "
+                        "create them alike and load the same state on every rank")
+
+
 def check_settings(settings: dict[str, Any], tensors: Sequence[tuple[str, tuple[int, ...], str]], tag: str,
                    process_set: Any = None) -> None:
     """Compare a compressor's settings and tensor list across the process set; raise on every rank if they differ.
 
-    Called on a compressor's first step (and after a state load), it costs
-    one object allgather.  ``tensors`` are ``(name, shape, dtype)`` in the
-    order reduced.
+    It costs one object allgather: :func:`check_in_step` calls it only once
+    the ranks are known to differ.  ``tensors`` are ``(name, shape, dtype)``
+    in the order reduced.  A ``step`` entry in ``settings`` is the step
+    counter, whose difference means a state loaded or reset on some ranks only.
 
     Raises:
         MismatchError: names the first tensor affected, the setting and each rank's value.
@@ -104,6 +155,13 @@ def check_settings(settings: dict[str, Any], tensors: Sequence[tuple[str, tuple[
         values = [s.get(key) for s, _ in gathered]
         if any(v != values[0] for v in values):
             per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in zip(ranks, values, strict=True))
+            if key == "step":
+                raise MismatchError(
+                    f"ranks' gradient compressors are at different steps for tensor {first!r} ({per_rank}): its "
+                    "state (step counter, warm-start factors) was loaded or reset on some ranks only, so they would "
+                    "send different collectives. Load the same checkpoint on every rank (optimizer.load_state_dict), "
+                    "or give every rank the root's state with hvd.broadcast_optimizer_state(optimizer, root_rank=0) "
+                    "(the optimizer's sync_compression)")
             raise MismatchError(
                 f"ranks disagree on the gradient compressor for tensor {first!r}: setting {key!r} is {per_rank}; "
                 "pass the same compression= on every rank")
@@ -118,4 +176,5 @@ def check_settings(settings: dict[str, Any], tensors: Sequence[tuple[str, tuple[
                 f"(position {i}; shape and dtype per rank: {per_rank}); every rank must reduce the same parameters")
 
 
-__all__ = ["FlatLayout", "allreduce_flat", "check_settings", "set_size"]
+__all__ = ["FlatLayout", "allreduce_flat", "check_in_step", "check_settings", "fingerprint", "set_size",
+           "tensor_digest"]

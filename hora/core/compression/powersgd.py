@@ -36,6 +36,10 @@ from hora.errors import ConfigError
 #: dtypes PowerSGD factors; the others (half precision, integers) travel uncompressed.
 _MATRIX_DTYPES = frozenset({"float32", "float64"})
 
+#: a batch of at least this many elements writes its approximation straight into its gradients instead of
+#: into a scratch stack: VGG16's 4096 x 25088 layer would otherwise keep a second 392 MiB copy per rank.
+DIRECT_ELEMENTS = 1 << 22
+
 
 @dataclasses.dataclass(slots=True)
 class _Batch:
@@ -50,6 +54,7 @@ class _Batch:
     p_offset: int
     q_offset: int
     memory: Array | None = None  # (B, n, m): the residual with error feedback, else this step's matrices
+    direct: bool = False  # large: the approximation goes straight into the gradients (no scratch)
 
     @property
     def count(self) -> int:
@@ -158,10 +163,12 @@ class PowerSGD(TensorStateCompressor):
                 b = _Batch(members, [names[i] for i in members], [tuple(ops.shape(tensors[i])) for i in members],
                            n, m, r, p_at, q_at)
                 b.memory = ops.zeros([b.count, n, m], dtype, device)
+                b.direct = b.count * n * m >= DIRECT_ELEMENTS
                 batches.append(b)
                 p_at += b.count * n * r
                 q_at += b.count * m * r
-                biggest = max(biggest, b.count * n * m)
+                if not b.direct:
+                    biggest = max(biggest, b.count * n * m)
             plain_layout = FlatLayout.of([ops.shape(tensors[i]) for i in plain])
             self._groups.append(_Group(
                 dtype, device, batches, plain, [names[i] for i in plain], plain_layout, p_at, q_at,
@@ -242,6 +249,9 @@ class PowerSGD(TensorStateCompressor):
         factor = prescale * postscale * (set_size(process_set) if op == ReduceOp.SUM else 1)
         for b in g.batches:
             # P Q^T approximates the average of the ranks' M; the residual is what of this rank's M it misses.
+            if self.error_feedback and b.direct:
+                self._approximate_into(ops, b, g, [tensors[i] for i in b.index], factor)
+                continue
             if self.error_feedback:
                 approx = ops.reshape(g.scratch[: b.count * b.n * b.m], (b.count, b.n, b.m))
             else:
@@ -251,5 +261,22 @@ class PowerSGD(TensorStateCompressor):
                 ops.add_(b.memory, approx, alpha=-1.0)
             ops.unstack_(approx, [tensors[i] for i in b.index], factor)
 
+    @staticmethod
+    def _approximate_into(ops: ArrayOps, b: _Batch, g: _Group, outputs: list[Array], factor: float) -> None:
+        """A large batch: each P Q^T is written into its gradient, subtracted from the residual, then scaled.
 
-__all__ = ["PowerSGD", "matrix_rank"]
+        One product per matrix (these batches hold one or a few large
+        matrices, so the loop is short), and no scratch stack the size of the
+        batch.
+        """
+        p, qt = b.p(g.pflat, ops), b.qt(g.qflat, ops)
+        for j, out in enumerate(outputs):
+            view = ops.reshape(out, (b.n, b.m)) if ops.is_contiguous(out) else ops.empty([b.n, b.m], g.dtype, g.device)
+            ops.matmul_(p[j], qt[j], view)
+            ops.add_(b.memory[j], view, alpha=-1.0)
+            ops.scale_(view, factor)
+            if not ops.is_contiguous(out):
+                ops.copy_(out, ops.reshape(view, b.shapes[j]))
+
+
+__all__ = ["DIRECT_ELEMENTS", "PowerSGD", "matrix_rank"]

@@ -1,4 +1,4 @@
-"""Per-tensor state for stateful compressors: the step counter, the first-step check, save and load.
+"""Per-tensor state for stateful compressors: the step counter, the per-step check, save and load.
 
 :class:`TensorStateCompressor` is the base of the built-in stateful
 compressors.  It keeps the bookkeeping that every one needs, so that a
@@ -23,7 +23,7 @@ from typing import Any
 from hora.core import runtime
 from hora.core.buffers import Array, ArrayOps, ops_for
 from hora.core.compression.base import StatefulCompressor
-from hora.core.compression.exchange import check_settings
+from hora.core.compression.exchange import check_in_step, tensor_digest
 from hora.core.ops import ReduceOp
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class TensorStateCompressor(StatefulCompressor):
     def __init__(self) -> None:
         self.step = 0
         self._signature: tuple[tuple[str, tuple[int, ...], str], ...] | None = None
-        self._verified = False
+        self._signature_digest = 0
         self._pending: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ the step
@@ -46,9 +46,15 @@ class TensorStateCompressor(StatefulCompressor):
                prescale: float = 1.0, postscale: float = 1.0, process_set: Any = None) -> None:
         """Reduce ``tensors`` in place across the process set (see :class:`StatefulCompressor`).
 
+        Every step starts with :func:`~hora.core.compression.exchange.check_in_step`
+        (one 16-byte allreduce), so that ranks whose compressors differ (in
+        settings, in the tensors they reduce, or in the step counter after a
+        state loaded or reset on some ranks only) fail together at once,
+        instead of sending different collectives and waiting on each other.
+
         Raises:
             ConfigError: ``op`` is not Average or Sum.
-            MismatchError: on the first step, ranks differ in settings or tensors (on every rank).
+            MismatchError: ranks differ in settings, tensors or step (raised on every rank).
         """
         self.check_op(op)
         if len(tensors) != len(names):
@@ -60,10 +66,9 @@ class TensorStateCompressor(StatefulCompressor):
         if signature != self._signature:
             self._build(ops, tensors, list(names))
             self._signature = signature
-            self._verified = False
-        if not self._verified:
-            check_settings({**self.settings(), "step": self.step}, signature, names[0], process_set)
-            self._verified = True
+            self._signature_digest = tensor_digest(signature)
+        check_in_step({**self.settings(), "step": self.step}, signature, names[0], process_set,
+                      tensors_digest=self._signature_digest)
         if self._pending is not None:
             self._apply(ops, self._pending)
             self._pending = None
@@ -97,7 +102,6 @@ class TensorStateCompressor(StatefulCompressor):
         """Take a :meth:`state_dict`; the arrays are copied in at the next step (their tensors may not exist yet)."""
         self.step = int(state.get("step", 0))
         self._pending = state
-        self._verified = False
         if self._signature is not None:
             # Laid out already: apply now, so that a state_dict() taken before the next step returns it.
             self._apply(None, state)
@@ -128,7 +132,6 @@ class TensorStateCompressor(StatefulCompressor):
         self.step = 0
         self._signature = None
         self._pending = None
-        self._verified = False
 
     def _apply(self, ops: ArrayOps | None, state: dict[str, Any]) -> None:
         engine = runtime.current().engine if runtime.is_initialized() else None
