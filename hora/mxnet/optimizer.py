@@ -106,7 +106,8 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             ``hvd.Compression.fp16.with_error_feedback()``) is copied once per
             distinct update call (an index, or the indices MXNet aggregates
             into one call), since each call applies its gradients at once; its
-            state is :meth:`state_dict`, to save beside the optimizer states.
+            state is :meth:`state_dict`, and travels in ``gluon.Trainer.save_states``,
+            which pickles this optimizer with the updater states.
     """
 
     def __init__(self, optimizer: mx.optimizer.Optimizer, gradient_predivide_factor: float = 1.0,
@@ -127,6 +128,23 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         if item.startswith("__") or item in self._OWN:
             raise AttributeError(item)
         return getattr(self._optimizer, item)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # What gluon's Trainer.save_states pickles with the updater states (MXNet's own __getstate__ expects
+        # a param_dict here, which lives on the wrapped optimizer).  A stateful compressor travels as its
+        # state dict, so that loading it applies the rule for residuals saved by another rank or world size.
+        state = {k: v for k, v in self.__dict__.items() if k != "_compressors"}
+        state["_pending_compression"] = self.state_dict()["compression"]
+        if self._process_set is global_process_set:
+            state["_process_set"] = None  # the loading process's own global set
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+        object.__setattr__(self, "_compressors", {})
+        if self._process_set is None:
+            object.__setattr__(self, "_process_set", global_process_set)
 
     def __setattr__(self, item: str, value: Any) -> None:
         # Module and Trainer set hyper-parameters (rescale_grad, idx2name...) on the optimizer they were

@@ -3,7 +3,9 @@
 One script for every binding (``--framework``): torch, tf (``DistributedGradientTape``
 with ``tf.train.Checkpoint`` and ``hvd.CompressionState``), keras3 (hora.keras on
 ``KERAS_BACKEND``, ``model.save`` / ``hvd.load_model``), tfkeras (hora.tensorflow.keras
-under ``TF_USE_LEGACY_KERAS=1``, the same) and mxnet (``DistributedTrainer.save_states``).
+under ``TF_USE_LEGACY_KERAS=1``, the same), mxnet (``DistributedTrainer.save_states``) and
+mxnet-optimizer (``hvd.DistributedOptimizer`` under a plain ``gluon.Trainer``, whose
+``save_states`` pickles the optimizer).
 
 ``--mode full`` trains all steps, saving each rank's checkpoint (model,
 optimizer and the compressor's state) after ``--save-at`` steps; ``--mode
@@ -22,7 +24,8 @@ import numpy as np
 from compression_data import SIZES, batch, initial_weights, keras_model, tf_step
 
 p = argparse.ArgumentParser()
-p.add_argument("--framework", choices=["torch", "tf", "keras3", "tfkeras", "mxnet"], default="torch")
+p.add_argument("--framework", choices=["torch", "tf", "keras3", "tfkeras", "mxnet", "mxnet-optimizer"],
+               default="torch")
 p.add_argument("--mode", choices=["full", "resume"], required=True)
 p.add_argument("--dir", required=True)
 p.add_argument("--steps", type=int, default=6)
@@ -164,8 +167,13 @@ def run_mxnet() -> None:
     for layer, k, b in zip(net, init[::2], init[1::2], strict=True):
         layer.weight.set_data(mx.nd.array(k.T))
         layer.bias.set_data(mx.nd.array(b))
-    trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.05, "momentum": 0.9},
-                                     compression=parse_spec(args.compression))
+    if args.framework == "mxnet":
+        trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.05, "momentum": 0.9},
+                                         compression=parse_spec(args.compression))
+    else:
+        opt = hvd.DistributedOptimizer(mx.optimizer.SGD(learning_rate=0.05, momentum=0.9),
+                                       compression=parse_spec(args.compression))
+        trainer = gluon.Trainer(net.collect_params(), opt, kvstore=None)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     start, saved_step = 0, None
     if args.mode == "resume":
@@ -181,8 +189,11 @@ def run_mxnet() -> None:
         if args.mode == "full" and step + 1 == args.save_at:
             net.save_parameters(str(out / f"ckpt.{rank}.params"))
             trainer.save_states(str(out / f"ckpt.{rank}.states"))
-            with open(out / f"ckpt.{rank}.states.compression", "rb") as f:
-                saved_step = pickle.load(f)["step"]
+            if args.framework == "mxnet":
+                with open(out / f"ckpt.{rank}.states.compression", "rb") as f:
+                    saved_step = pickle.load(f)["step"]
+            else:
+                saved_step = min(s["step"] for s in opt.state_dict()["compression"].values())
     weights = []
     for layer in net:
         weights += [layer.weight.data().asnumpy().T, layer.bias.data().asnumpy()]
@@ -192,5 +203,5 @@ def run_mxnet() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONHASHSEED", "0")
-    {"torch": run_torch, "tf": run_tf, "keras3": run_keras, "tfkeras": run_keras, "mxnet": run_mxnet}[
-        args.framework]()
+    {"torch": run_torch, "tf": run_tf, "keras3": run_keras, "tfkeras": run_keras, "mxnet": run_mxnet,
+     "mxnet-optimizer": run_mxnet}[args.framework]()
