@@ -46,3 +46,26 @@ def hora_run(
 @pytest.fixture
 def run_job():
     return hora_run
+
+
+#: tests/scripts/compression_checkpoint.py: one stateful-compression checkpoint script for every binding.
+COMPRESSION_CHECKPOINT = ROOT / "tests" / "scripts" / "compression_checkpoint.py"
+
+
+def checkpoint_resumes(directory: Path, np: int, save_at: int = 3, atol: float = 0.0) -> None:
+    """Assert what tests/scripts/compression_checkpoint.py left in ``directory`` after a full and a resumed run.
+
+    Every rank's resumed weights equal its uninterrupted ones (within
+    ``atol``; 0 is bit for bit), every rank ends where rank 0 does, and the
+    checkpoint held the compressor's state as of step ``save_at``.
+    """
+    import numpy
+
+    first = numpy.load(directory / "full.0.npz")
+    for rank in range(np):
+        full, resumed = numpy.load(directory / f"full.{rank}.npz"), numpy.load(directory / f"resume.{rank}.npz")
+        for key in full.files:
+            gap = float(numpy.abs(full[key] - resumed[key]).max())
+            assert gap <= atol, f"rank {rank}: the resumed run left the uninterrupted one ({key}: {gap} > {atol})"
+            assert numpy.array_equal(full[key], first[key]), f"rank {rank} differs from rank 0 ({key})"
+        assert (directory / f"saved-step.{rank}.txt").read_text() == str(save_at), "the checkpoint lacks the state"

@@ -3,7 +3,10 @@
 :class:`KerasStateBase` keeps a model's weights and its optimizer's
 variables as NumPy copies at each commit, puts them back on restore, and
 syncs them from rank 0 (building the optimizer first on a worker that has
-not stepped yet, so every rank broadcasts the same variables).  The callback
+not stepped yet, so every rank broadcasts the same variables).  A stateful
+compressor of the optimizer (or passed as a keyword argument) is committed
+with them; a sync after a new rendezvous gives every rank rank 0's step and
+factors and starts every residual from zero.  The callback
 mixins drive a state from ``model.fit``: commit every N batches, and keep
 ``state.batch`` and ``state.epoch`` current, so that ``fit(initial_epoch=
 state.epoch)`` resumes where the last commit was.
@@ -19,7 +22,9 @@ from hora.core import runtime
 from hora.core.elastic import ObjectState
 from hora.core.objects import broadcast_object
 
+from .compression_state import ElasticCompression, split_compressors
 from .numpy_collectives import broadcast_variables, require_built, to_numpy, variables_of
+from .optimizer import compressor_of
 
 
 def _rank() -> int:
@@ -32,7 +37,9 @@ class KerasStateBase(ObjectState):
     Args:
         model: the Keras model.
         optimizer: its optimizer (default: ``model.optimizer``).
-        **kwargs: plain attributes, as in :class:`~hora.core.elastic.ObjectState`.
+        **kwargs: plain attributes, as in :class:`~hora.core.elastic.ObjectState`; a stateful
+            compressor among them (one a ``DistributedGradientTape`` uses) is committed as the
+            optimizer's is.
     """
 
     def __init__(self, model: Any, optimizer: Any = None, **kwargs: Any) -> None:
@@ -42,6 +49,14 @@ class KerasStateBase(ObjectState):
         self._saved_weights: list[np.ndarray] = []
         self._saved_optimizer: list[np.ndarray] = []
         self._save_variables()
+        compressors = split_compressors(kwargs)
+        own = compressor_of(self.optimizer)
+        if own is not None:
+            compressors.setdefault("optimizer", own)
+        self._compression = [ElasticCompression(c, name) for name, c in compressors.items()]
+        for name, c in compressors.items():
+            if name != "optimizer":
+                setattr(self, name, c)
         super().__init__(bcast_object=broadcast_object, get_rank=_rank, **kwargs)
 
     def _optimizer_variables(self) -> list[Any]:
@@ -53,6 +68,8 @@ class KerasStateBase(ObjectState):
 
     def save(self) -> None:
         self._save_variables()
+        for c in self._compression:
+            c.save()
         super().save()
 
     def restore(self) -> None:
@@ -61,6 +78,8 @@ class KerasStateBase(ObjectState):
         if len(variables) == len(self._saved_optimizer):
             for var, value in zip(variables, self._saved_optimizer, strict=True):
                 var.assign(value)
+        for c in self._compression:
+            c.restore()
         super().restore()
 
     def sync(self) -> None:
@@ -69,6 +88,8 @@ class KerasStateBase(ObjectState):
             build(self.model.trainable_variables)  # a worker that never stepped has no slots yet
         broadcast_variables(list(self.model.variables) + self._optimizer_variables(), 0)
         self._save_variables()  # a restore after the sync goes back to rank 0's values, not this rank's old ones
+        for c in self._compression:
+            c.sync()
         super().sync()
 
 

@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hora._keras.aggregation import AggregationOps, LocalAggregation
+from hora._keras.compression_state import read_dir, save_to_dir
+from hora.core.compression import is_stateful
 from hora.core.frontend import GradientReduction
 
 #: a Keras backend's gradient reduction: ``(grads, variables, reduction) -> reduced grads``
@@ -39,7 +41,46 @@ ReduceFn = Callable[[Sequence[Any], Sequence[Any] | None, GradientReduction], li
 _CLASSES: dict[tuple[type, str, ReduceFn], type] = {}
 
 
-class Keras3Distributed:
+class CompressionStateMixin:
+    """A stateful compressor's state saved and loaded with the optimizer (both Kerases).
+
+    ``model.save("….keras")`` calls ``save_assets`` on the optimizer, and
+    ``load_model`` calls ``load_assets``: the compressor's state travels in
+    the archive's assets, beside the optimizer's variables, not among them, so
+    that a Keras without hora still loads the optimizer's own variables.
+    ``compression_state_dict`` and ``load_compression_state_dict`` are the same
+    state for checkpoints of one's own (``torch.save`` on the torch backend).
+    """
+
+    def save_assets(self, dir_path: str) -> None:
+        base = getattr(super(), "save_assets", None)
+        if base is not None:
+            base(dir_path)
+        save_to_dir(compressor_of(self), dir_path)
+
+    def load_assets(self, dir_path: str) -> None:
+        base = getattr(super(), "load_assets", None)
+        if base is not None:
+            base(dir_path)
+        state = read_dir(dir_path)
+        if state is not None:
+            self.load_compression_state_dict(state)
+
+    def compression_state_dict(self) -> dict[str, Any] | None:
+        """The stateful compressor's ``state_dict()`` (None with a stateless one): per-rank, save it on every rank."""
+        compressor = compressor_of(self)
+        return compressor.state_dict() if compressor is not None else None
+
+    def load_compression_state_dict(self, state: dict[str, Any]) -> None:
+        """Load :meth:`compression_state_dict`; kept until a stateful compressor is attached (``load_model``)."""
+        compressor = compressor_of(self)
+        if compressor is not None:
+            compressor.load_state_dict(state)
+        else:
+            object.__setattr__(self, "hora_pending_compression", state)
+
+
+class Keras3Distributed(CompressionStateMixin):
     """What a Keras 3 optimizer becomes: it reduces the gradients in ``apply``, Keras 3's one entry for them."""
 
     def build(self, variables):
@@ -71,7 +112,7 @@ class Keras3Distributed:
         register_local_var(self, var)
 
 
-class TfKerasDistributed:
+class TfKerasDistributed(CompressionStateMixin):
     """What a tf_keras optimizer becomes: it reduces gradients in ``apply_gradients`` (or ``_compute_gradients``)."""
 
     def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
@@ -265,8 +306,23 @@ def reduction_of(optimizer: Any) -> GradientReduction:
 
 
 def attach_reduction(optimizer: Any, reduction: GradientReduction) -> None:
-    """Give a distributed optimizer the reduction options built from ``DistributedOptimizer``'s arguments."""
+    """Give a distributed optimizer the reduction options built from ``DistributedOptimizer``'s arguments.
+
+    A compressor state loaded before (``load_model`` reads the archive's
+    assets before it attaches the compressor) goes to a stateful compressor now.
+    """
     object.__setattr__(optimizer, "hora_reduction", reduction)
+    pending = getattr(optimizer, "hora_pending_compression", None)
+    if pending is not None and is_stateful(reduction.compression):
+        reduction.compression.load_state_dict(pending)
+        object.__setattr__(optimizer, "hora_pending_compression", None)
+
+
+def compressor_of(optimizer: Any) -> Any:
+    """The stateful compressor of a distributed optimizer, or None (stateless, or not distributed)."""
+    reduction = getattr(optimizer, "hora_reduction", None)
+    compression = reduction.compression if reduction is not None else None
+    return compression if is_stateful(compression) else None
 
 
 def load_model(load: Callable[..., Any], filepath: str, classes: dict[str, type],
@@ -290,6 +346,7 @@ def is_distributed(optimizer: Any) -> bool:
     return isinstance(optimizer, Keras3Distributed | TfKerasDistributed)
 
 
-__all__ = ["Keras3Distributed", "ReduceFn", "TfKerasDistributed", "aggregation_of", "attach_aggregation",
-           "attach_reduction", "distributed_class", "is_distributed", "load_model", "make_distributed",
+__all__ = ["CompressionStateMixin", "Keras3Distributed", "ReduceFn", "TfKerasDistributed", "aggregation_of",
+           "attach_aggregation", "attach_reduction", "compressor_of", "distributed_class", "is_distributed",
+           "load_model", "make_distributed",
            "prepare_gradients", "reduced_gradients", "reduction_of", "register_local_layers", "register_local_var"]

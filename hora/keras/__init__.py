@@ -23,6 +23,7 @@ from hora._keras.numpy_collectives import (
     variables_of,
 )
 from hora._keras.numpy_collectives import broadcast_variables as _broadcast_variables
+from hora._keras.optimizer import is_distributed as _is_distributed
 from hora._keras.optimizer import load_model as _load_model
 from hora.core import runtime as _runtime
 from hora.core.api import (
@@ -63,6 +64,7 @@ from hora.keras.optimizer import (
     PartialDistributedOptimizer,
     distributed_optimizer_classes,
 )
+from hora.keras.optimizer import track_checkpoints as _track_checkpoints
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
@@ -169,10 +171,15 @@ def load_model(filepath: str, custom_optimizers: Sequence[type] | None = None,
     """``keras.models.load_model`` whose compiled optimizer comes back as a ``DistributedOptimizer``.
 
     The saved optimizer's class is mapped to its distributed subclass, so its
-    state (iterations, slots) is restored into the distributed optimizer.
+    state (iterations, slots) is restored into the distributed optimizer; a
+    stateful ``compression`` takes the compressor state saved in the archive
+    (``model.save("….keras")`` on every rank keeps each rank's own residuals).
     """
-    return _load_model(keras.models.load_model, filepath, distributed_optimizer_classes(custom_optimizers or ()),
-                       custom_objects, _gradient_reduction(compression=compression), **kwargs)
+    model = _load_model(keras.models.load_model, filepath, distributed_optimizer_classes(custom_optimizers or ()),
+                        custom_objects, _gradient_reduction(compression=compression), **kwargs)
+    if getattr(model, "optimizer", None) is not None and _is_distributed(model.optimizer):
+        _track_checkpoints(model.optimizer)
+    return model
 
 
 from hora.keras import elastic  # noqa: E402  (hvd.elastic: Horovod's elastic API)

@@ -36,7 +36,16 @@ def _reset() -> None:
 
 
 def run(func: F) -> F:
-    """Decorate ``func(state, ...)`` to survive lost peers and host changes (see :func:`hora.core.elastic.run_fn`)."""
+    """Decorate ``func(state, ...)`` to survive lost peers and host changes (see :func:`hora.core.elastic.run_fn`).
+
+    On the TensorFlow backend the train step is a graph, whose collectives
+    report a lost peer as a TensorFlow error: hora.tensorflow's translation
+    turns it back into :class:`InternalError`.
+    """
+    if keras.backend.backend() == "tensorflow":
+        from hora.tensorflow.elastic import translate_lost_peers
+
+        func = translate_lost_peers(func)
     return run_fn(func, _reset)
 
 

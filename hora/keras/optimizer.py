@@ -77,10 +77,23 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
     reduction = gradient_reduction(op=op, gradient_predivide_factor=gradient_predivide_factor,
                                    compression=compression, groups=groups, num_groups=num_groups,
                                    sparse_as_dense=sparse_as_dense, process_set=process_set)
-    return _distributed.make_distributed(optimizer, hook="apply", reduce=reduce, reduction=reduction, name=name,
-                            backward_passes_per_step=backward_passes_per_step,
-                            average_aggregated_gradients=average_aggregated_gradients,
-                            aggregation_ops=lambda: KERAS_AGGREGATION_OPS)
+    dist = _distributed.make_distributed(optimizer, hook="apply", reduce=reduce, reduction=reduction, name=name,
+                                         backward_passes_per_step=backward_passes_per_step,
+                                         average_aggregated_gradients=average_aggregated_gradients,
+                                         aggregation_ops=lambda: KERAS_AGGREGATION_OPS)
+    return track_checkpoints(dist)
+
+
+def track_checkpoints(optimizer: Any) -> Any:
+    """On the TensorFlow backend, let ``tf.train.Checkpoint`` carry the optimizer's compressor state too.
+
+    (``model.save`` carries it on every backend, through the optimizer's ``save_assets``.)
+    """
+    if keras.backend.backend() == "tensorflow":
+        from hora.tensorflow.compression import track_optimizer_compression
+
+        track_optimizer_compression(optimizer)
+    return optimizer
 
 
 def PartialDistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None = None,

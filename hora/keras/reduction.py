@@ -14,10 +14,11 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+from hora._keras.compression_state import state_name
 from hora._keras.optimizer import ReduceFn
 from hora.core import collectives
 from hora.core.collectives import Adapter
-from hora.core.compression import gradient_name, is_stateful
+from hora.core.compression import is_stateful
 from hora.core.frontend import GradientReduction
 from hora.core.ops import CollectiveType
 from hora.errors import UnsupportedError
@@ -83,7 +84,7 @@ def _reduce_compressed(grads: list[Any], variables: Sequence[Any] | None, reduct
             g = keras.ops.zeros_like(v)  # every rank hands over the same list
         idx.append(i)
         buffers.append(g.detach().clone().contiguous())
-        names.append(gradient_name(i, v))
+        names.append(state_name(i, v))
     reduction.compression.reduce(buffers, names, op=reduction.op, prescale=reduction.prescale,
                                  postscale=reduction.postscale, process_set=reduction.process_set)
     out = list(grads)

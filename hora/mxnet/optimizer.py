@@ -8,6 +8,7 @@ negotiates them in one round and fuses the small ones into one backend call.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import pickle
@@ -100,21 +101,50 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             many grouped allreduces.
         process_set: average over these ranks only; a rank outside the set
             updates with its own gradients.
+        compression: ``hvd.Compression.fp16`` sends float gradients as float16.  A
+            stateful compressor (``hvd.Compression.powersgd(rank=...)``,
+            ``hvd.Compression.fp16.with_error_feedback()``) is copied once per
+            distinct update call (an index, or the indices MXNet aggregates
+            into one call), since each call applies its gradients at once; its
+            state is :meth:`state_dict`, and travels in ``gluon.Trainer.save_states``,
+            which pickles this optimizer with the updater states.
     """
 
     def __init__(self, optimizer: mx.optimizer.Optimizer, gradient_predivide_factor: float = 1.0,
-                 num_groups: int = 0, process_set: ProcessSet = global_process_set) -> None:
+                 num_groups: int = 0, process_set: ProcessSet = global_process_set,
+                 compression: Any = Compression.none) -> None:
         self._optimizer = optimizer
         self._gradient_predivide_factor = _check_predivide(gradient_predivide_factor)
         self._num_groups = int(num_groups)
         self._process_set = process_set
+        self._compression = compression
+        self._compressors: dict[str, Any] = {}
+        self._pending_compression: dict[str, Any] = {}
 
-    _OWN = frozenset({"_optimizer", "_gradient_predivide_factor", "_num_groups", "_process_set"})
+    _OWN = frozenset({"_optimizer", "_gradient_predivide_factor", "_num_groups", "_process_set", "_compression",
+                      "_compressors", "_pending_compression"})
 
     def __getattr__(self, item: str) -> Any:
         if item.startswith("__") or item in self._OWN:
             raise AttributeError(item)
         return getattr(self._optimizer, item)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # What gluon's Trainer.save_states pickles with the updater states (MXNet's own __getstate__ expects
+        # a param_dict here, which lives on the wrapped optimizer).  A stateful compressor travels as its
+        # state dict, so that loading it applies the rule for residuals saved by another rank or world size.
+        state = {k: v for k, v in self.__dict__.items() if k != "_compressors"}
+        state["_pending_compression"] = self.state_dict()["compression"]
+        if self._process_set is global_process_set:
+            state["_process_set"] = None  # the loading process's own global set
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+        object.__setattr__(self, "_compressors", {})
+        if self._process_set is None:
+            object.__setattr__(self, "_process_set", global_process_set)
 
     def __setattr__(self, item: str, value: Any) -> None:
         # Module and Trainer set hyper-parameters (rescale_grad, idx2name...) on the optimizer they were
@@ -139,7 +169,47 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             grads, names = list(grad), [str(i) for i in index]
         else:
             grads, names = [grad], [str(index)]
-        allreduce_grads(grads, names, self._num_groups, self._gradient_predivide_factor, self._process_set)
+        if is_stateful(self._compression):
+            self._reduce_compressed(grads, names)
+            return
+        compression = self._compression
+        sent, ctxs = [], []
+        for g in grads:
+            s, ctx = compression.compress(g)
+            sent.append(s)
+            ctxs.append(ctx)
+        allreduce_grads(sent, names, self._num_groups, self._gradient_predivide_factor, self._process_set)
+        for g, s, ctx in zip(grads, sent, ctxs, strict=True):
+            if s is not g:
+                g[:] = compression.decompress(s, ctx)
+
+    def _reduce_compressed(self, grads: list[mx.nd.NDArray], names: list[str]) -> None:
+        """One update call's gradients through its own copy of the stateful compressor."""
+        key = ",".join(names)
+        compressor = self._compressors.get(key)
+        if compressor is None:
+            compressor = self._compressors[key] = copy.deepcopy(self._compression)
+            if key in self._pending_compression:
+                compressor.load_state_dict(self._pending_compression.pop(key))
+        arrays = [g.asnumpy() for g in grads]
+        predivide = self._gradient_predivide_factor
+        compressor.reduce(arrays, names, op=ReduceOp.AVERAGE, prescale=1.0 / predivide, postscale=predivide,
+                          process_set=self._process_set)
+        for g, a in zip(grads, arrays, strict=True):
+            g[:] = a
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stateful compressor's state, per update call (``{}`` without one): this rank's, save it per rank."""
+        states = {key: c.state_dict() for key, c in self._compressors.items()}
+        return {"compression": {**self._pending_compression, **states}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load :meth:`state_dict`; each update call's part is applied at its next update."""
+        for key, value in state.get("compression", {}).items():
+            if key in self._compressors:
+                self._compressors[key].load_state_dict(value)
+            else:
+                self._pending_compression[key] = value
 
     def update(self, index: Any, weight: Any, grad: Any, state: Any) -> None:
         """Average ``grad`` (one array, or a list matching a list of indices), then update ``weight``."""

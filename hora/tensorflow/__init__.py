@@ -35,7 +35,7 @@ from hora.core.runtime import (
     remove_process_set,
 )
 from hora.errors import HostsUpdatedInterrupt, InternalError
-from hora.tensorflow.compression import Compression
+from hora.tensorflow.compression import Compression, CompressionState
 from hora.tensorflow.functions import (
     allgather_object,
     broadcast_global_variables,

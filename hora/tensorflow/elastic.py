@@ -8,12 +8,14 @@ callbacks are in :mod:`hora.tensorflow.keras.elastic`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
 import tensorflow as tf
 
+from hora._keras.compression_state import ElasticCompression, split_compressors
 from hora._keras.elastic import KerasStateBase
 from hora.core.elastic import ObjectState, State, run_fn
 from hora.errors import HostsUpdatedInterrupt, InternalError
@@ -30,8 +32,29 @@ def _reset() -> None:
 
 
 def run(func: F) -> F:
-    """Decorate ``func(state, ...)`` to survive lost peers and host changes (see :func:`hora.core.elastic.run_fn`)."""
-    return run_fn(func, _reset)
+    """Decorate ``func(state, ...)`` to survive lost peers and host changes (see :func:`hora.core.elastic.run_fn`).
+
+    A collective inside a graph (``tf.function``, Keras's train step) that
+    failed because a peer was lost surfaces as a TensorFlow error; it is
+    turned into :class:`InternalError` here, so that the state is restored.
+    """
+    return run_fn(translate_lost_peers(func), _reset)
+
+
+def translate_lost_peers(func: F) -> F:
+    """``func`` whose TensorFlow errors caused by a lost peer are raised as :class:`InternalError`."""
+    from hora.tensorflow.mpi_ops import lost_peer
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except tf.errors.OpError as e:
+            if lost_peer(e) and not isinstance(e, InternalError):
+                raise InternalError(e.message) from e
+            raise
+
+    return wrapper  # type: ignore[return-value]
 
 
 class TensorFlowState(ObjectState):
@@ -46,7 +69,10 @@ class TensorFlowState(ObjectState):
     Args:
         variables: the variables to keep.
         session: the TF1 session that holds their values (graph mode only).
-        **kwargs: plain attributes, as in :class:`~hora.core.elastic.ObjectState`.
+        **kwargs: plain attributes, as in :class:`~hora.core.elastic.ObjectState`.  A stateful
+            compressor among them (the ``compression=`` of a ``DistributedGradientTape``) is
+            committed with the variables, by reference: after a sync every rank has rank 0's
+            step and factors and its residuals start from zero.
     """
 
     def __init__(self, variables: Any = None, session: Any = None, **kwargs: Any) -> None:
@@ -67,6 +93,10 @@ class TensorFlowState(ObjectState):
                                                                             strict=True)])
             self._graph_ops = (broadcast_variables(self.variables, root_rank=0), placeholders, assign)
         self._values: list[np.ndarray] = self._read()
+        compressors = split_compressors(kwargs)
+        self._compression = [ElasticCompression(c, name) for name, c in compressors.items()]
+        for name, c in compressors.items():
+            setattr(self, name, c)
         super().__init__(**kwargs)
 
     def _session(self) -> Any:
@@ -83,6 +113,8 @@ class TensorFlowState(ObjectState):
 
     def save(self) -> None:
         self._values = self._read()
+        for c in self._compression:
+            c.save()
         super().save()
 
     def restore(self) -> None:
@@ -92,6 +124,8 @@ class TensorFlowState(ObjectState):
         else:
             _, placeholders, assign = self._graph_ops
             self._session().run(assign, feed_dict=dict(zip(placeholders, self._values, strict=True)))
+        for c in self._compression:
+            c.restore()
         super().restore()
 
     def sync(self) -> None:
@@ -103,6 +137,8 @@ class TensorFlowState(ObjectState):
             else:
                 self._session().run(self._graph_ops[0])
             self._values = self._read()
+        for c in self._compression:
+            c.sync()
         super().sync()
 
 
@@ -111,4 +147,4 @@ class TensorFlowKerasState(KerasStateBase):
 
 
 __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State", "TensorFlowKerasState",
-           "TensorFlowState", "run"]
+           "TensorFlowState", "run", "translate_lost_peers"]

@@ -33,7 +33,7 @@ from hora.core.collectives import Adapter
 from hora.core.frontend import resolve_op
 from hora.core.ops import CollectiveType, ReduceOp
 from hora.core.runtime import ProcessSet, global_process_set
-from hora.errors import HoraError, UnsupportedError
+from hora.errors import HoraError, InternalError, UnsupportedError
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,35 @@ class CollectiveFailedError(tf.errors.FailedPreconditionError, HoraError):
 
     def __reduce__(self):
         return (CollectiveFailedError, (self.message,))
+
+
+#: starts the message of a collective that failed because a peer was lost (or the engine shut down): in a
+#: graph only the message leaves the op, and ``hvd.elastic.run`` recognises the failure by it.
+LOST_PEER_TAG = "[hora: peer lost] "
+
+
+class CollectiveAbortedError(CollectiveFailedError, InternalError):
+    """A collective failed because a peer was lost or the engine shut down (hora's :class:`InternalError`).
+
+    Both TensorFlow's ``FailedPreconditionError`` and hora's ``InternalError``,
+    so that ``hvd.elastic.run`` restores the last commit and re-forms the ring.
+    """
+
+    def __reduce__(self):
+        return (CollectiveAbortedError, (self.message,))
+
+
+def failed_collective(error: HoraError) -> CollectiveFailedError:
+    """The TensorFlow error for a failed collective: :class:`CollectiveAbortedError` when a peer was lost."""
+    if isinstance(error, InternalError):
+        return CollectiveAbortedError(LOST_PEER_TAG + str(error))
+    return CollectiveFailedError(str(error))
+
+
+def lost_peer(error: BaseException) -> bool:
+    """True for a TensorFlow error that a lost peer caused, eagerly or inside a graph (see :data:`LOST_PEER_TAG`)."""
+    return isinstance(error, InternalError) or (isinstance(error, tf.errors.OpError)
+                                                and LOST_PEER_TAG in (error.message or ""))
 
 
 class InvalidArgumentsError(tf.errors.InvalidArgumentError, ValueError):
@@ -130,7 +159,7 @@ def _wait(kind: CollectiveType, tensors: Sequence[Any], name: str | None, **kwar
     try:
         return handle.wait()
     except HoraError as e:
-        raise CollectiveFailedError(str(e)) from e
+        raise failed_collective(e) from e
 
 
 _ALIGN = 64  # TensorFlow's CPU tensors are 64-byte aligned, and it aborts on one that is not
@@ -178,7 +207,7 @@ def _wait_into(kind: CollectiveType, tensors: Sequence[Any], name: str | None, *
     try:
         handle.wait()
     except HoraError as e:
-        raise CollectiveFailedError(str(e)) from e
+        raise failed_collective(e) from e
     return [_adopt(o) for o in outputs]
 
 
@@ -380,7 +409,7 @@ def compressed_allreduce(tensors: Sequence[Any], names: Sequence[str], compresso
             compressor.reduce(buffers, list(names), op=op, prescale=prescale, postscale=postscale,
                               process_set=process_set)
         except HoraError as e:
-            raise CollectiveFailedError(str(e)) from e
+            raise failed_collective(e) from e
         return [_adopt(b) for b in buffers]
 
     return _call(body, tensors, [t.dtype for t in tensors], [t.shape for t in tensors])

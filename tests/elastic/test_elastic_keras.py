@@ -55,3 +55,17 @@ def test_commit_callback_refuses_a_zero_interval(hvd):
     state = hvd.elastic.KerasState(_model())
     with pytest.raises(ValueError, match="batches_per_commit"):
         hvd.elastic.CommitStateCallback(state, batches_per_commit=0)
+
+
+def test_keras_state_commits_the_optimizers_compressor_by_reference(hvd):
+    compression = hvd.Compression.powersgd(rank=2)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=compression), loss="mse")
+    state = hvd.elastic.KerasState(model, epoch=0)
+    compression.step = 4
+    state.commit()
+    compression.step = 9  # progress after the commit
+    state.restore()
+    assert compression.step == 4
+    state.sync()  # rank 0's step and factors (this process is rank 0 of 1)
+    assert compression.step == 4 and state.epoch == 0

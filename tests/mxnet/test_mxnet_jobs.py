@@ -90,3 +90,20 @@ def test_gloo_without_torch_names_the_fix():
 def test_stateful_compression_in_distributed_trainer(ranks):
     proc = hora_run(ranks, [sys.executable, "tests/mxnet/scripts/compression_job.py"], mpi=True, timeout=240)
     _ok(proc, "mxnet compression ok", ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(("framework", "spec"), [("mxnet", "powersgd:2"), ("mxnet", "fp16+ef"),
+                                                  ("mxnet-optimizer", "powersgd:2")])
+def test_trainer_checkpoint_with_compression_resumes_in_a_fresh_process(tmp_path, framework, spec):
+    """``save_parameters`` + ``save_states`` after step 3, loaded by new processes: the same weights as without a
+    stop (tests/scripts/compression_checkpoint.py, the script every binding's checkpoint test runs), with
+    ``DistributedTrainer`` and with ``DistributedOptimizer`` under a plain ``gluon.Trainer``."""
+    from tests.conftest import COMPRESSION_CHECKPOINT, checkpoint_resumes
+
+    for mode in ("full", "resume"):
+        proc = hora_run(2, [sys.executable, str(COMPRESSION_CHECKPOINT), "--framework", framework, "--mode", mode,
+                            "--dir", str(tmp_path), "--compression", spec], mpi=True, timeout=180)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    checkpoint_resumes(tmp_path, 2)

@@ -25,6 +25,7 @@ from hora.tensorflow import (  # noqa: F401  (the topology and collectives are h
     Adasum,
     Average,
     Compression,
+    CompressionState,
     Max,
     Min,
     Product,
@@ -51,6 +52,7 @@ from hora.tensorflow import (  # noqa: F401  (the topology and collectives are h
     size,
 )
 from hora.tensorflow import broadcast_global_variables as _tf_broadcast_global_variables
+from hora.tensorflow.compression import track_optimizer_compression as _track_optimizer_compression
 from hora.tensorflow.gradients import reduce_gradients as _reduce_gradients
 from hora.tensorflow.keras import callbacks
 
@@ -86,10 +88,12 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
     reduction = _gradient_reduction(op=op, gradient_predivide_factor=gradient_predivide_factor,
                                     compression=compression, groups=groups, num_groups=num_groups,
                                     sparse_as_dense=sparse_as_dense, process_set=process_set)
-    return _distributed.make_distributed(optimizer, hook=hook, reduce=_reduce_gradients, reduction=reduction, name=name,
-                            backward_passes_per_step=backward_passes_per_step,
-                            average_aggregated_gradients=average_aggregated_gradients,
-                            aggregation_ops=_keras3_ops if hook == "apply" else lambda: _TF_AGGREGATION_OPS)
+    ops = _keras3_ops if hook == "apply" else lambda: _TF_AGGREGATION_OPS
+    dist = _distributed.make_distributed(optimizer, hook=hook, reduce=_reduce_gradients, reduction=reduction,
+                                         name=name, backward_passes_per_step=backward_passes_per_step,
+                                         average_aggregated_gradients=average_aggregated_gradients,
+                                         aggregation_ops=ops)
+    return _track_optimizer_compression(dist)
 
 
 def _keras3_ops() -> AggregationOps:
@@ -147,9 +151,17 @@ def _optimizer_classes(custom_optimizers: Sequence[type]) -> dict[str, type]:
 def load_model(filepath: str, custom_optimizers: Sequence[type] | None = None,
                custom_objects: dict[str, Any] | None = None, compression: Any = Compression.none,
                **kwargs: Any) -> Any:
-    """``tf.keras.models.load_model`` whose compiled optimizer comes back as a ``DistributedOptimizer``."""
-    return _distributed.load_model(tf.keras.models.load_model, filepath, _optimizer_classes(custom_optimizers or ()),
-                       custom_objects, _gradient_reduction(compression=compression), **kwargs)
+    """``tf.keras.models.load_model`` whose compiled optimizer comes back as a ``DistributedOptimizer``.
+
+    A stateful ``compression`` takes the compressor state saved in the model's
+    archive (``model.save("….keras")`` on every rank keeps each rank's own).
+    """
+    model = _distributed.load_model(tf.keras.models.load_model, filepath,
+                                    _optimizer_classes(custom_optimizers or ()), custom_objects,
+                                    _gradient_reduction(compression=compression), **kwargs)
+    if getattr(model, "optimizer", None) is not None and _distributed.is_distributed(model.optimizer):
+        _track_optimizer_compression(model.optimizer)
+    return model
 
 
 from hora.tensorflow.keras import elastic  # noqa: E402  (hvd.elastic: Horovod's elastic API)

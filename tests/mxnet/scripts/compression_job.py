@@ -2,7 +2,9 @@
 
 * PowerSGD leaves every rank with identical weights, different from plain training;
 * PowerSGD at full rank equals the plain allreduce;
-* ``save_states`` mid-training, loaded into a fresh trainer, continues identically.
+* ``save_states`` mid-training, loaded into a fresh trainer, continues identically;
+* ``DistributedOptimizer(compression=...)`` (under a plain ``gluon.Trainer``) takes a stateful
+  compressor too: identical weights on every rank, full rank equal to plain, its state in ``state_dict()``.
 
 Each rank prints ``mxnet compression ok``.
 """
@@ -56,6 +58,38 @@ def run(compression) -> tuple[gluon.Block, hvd.DistributedTrainer]:
     return net, trainer
 
 
+def same_on_every_rank(ws: list[np.ndarray], tag: str) -> None:
+    for i, w in enumerate(ws):
+        gathered = hvd.allgather(mx.nd.array(w[None]), name=f"{tag}.{i}").asnumpy()
+        for r in range(1, gathered.shape[0]):
+            np.testing.assert_array_equal(gathered[r], gathered[0], err_msg=f"{tag}: weight {i} differs on rank {r}")
+
+
+def run_optimizer(compression) -> tuple[gluon.Block, hvd.DistributedOptimizer]:
+    net = model()
+    opt = hvd.DistributedOptimizer(mx.optimizer.SGD(learning_rate=0.1, momentum=0.9), compression=compression)
+    train(net, gluon.Trainer(net.collect_params(), opt, kvstore=None), range(STEPS))
+    return net, opt
+
+
+def check_distributed_optimizer(plain_trainer: list[np.ndarray]) -> None:
+    plain = weights(run_optimizer(hvd.Compression.none)[0])
+    for a, b in zip(plain, plain_trainer, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    net, opt = run_optimizer(hvd.Compression.powersgd(rank=1, min_compression_rate=0))
+    compressed = weights(net)
+    same_on_every_rank(compressed, "opt")
+    assert any(np.abs(a - b).max() > 1e-6 for a, b in zip(compressed, plain, strict=True))
+    state = opt.state_dict()["compression"]
+    assert state and all(s["step"] == STEPS for s in state.values()), state
+    full = weights(run_optimizer(hvd.Compression.powersgd(rank=64, min_compression_rate=0))[0])
+    for a, b in zip(full, plain, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    fp16 = weights(run_optimizer(hvd.Compression.fp16)[0])
+    for a, b in zip(fp16, plain, strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-3)
+
+
 def main() -> None:
     hvd.init()
     compressed = weights(run(hvd.Compression.powersgd(rank=1, min_compression_rate=0))[0])
@@ -64,6 +98,7 @@ def main() -> None:
         for r in range(1, gathered.shape[0]):
             np.testing.assert_array_equal(gathered[r], gathered[0], err_msg=f"weight {i} differs on rank {r}")
     plain = weights(run(hvd.Compression.none)[0])
+    check_distributed_optimizer(plain)
     assert any(np.abs(a - b).max() > 1e-6 for a, b in zip(compressed, plain, strict=True))
 
     full = weights(run(hvd.Compression.powersgd(rank=64, min_compression_rate=0))[0])
