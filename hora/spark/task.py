@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import collections
-import ctypes
 import dataclasses
 import json
 import os
@@ -26,17 +25,17 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from hora.placement import Placement
 from hora.runner.env import NOT_INHERITED, free_port, interface_address
 from hora.runner.output import TAIL_LINES, pump
 from hora.runner.run_task import PATH_FILE, TASK_FILE, result_file
 from hora.spark.channel import TaskChannel
 from hora.spark.partition import rank_file, spill, write_meta
 from hora.spark.plan import HORA_SPARK_DATA, TaskInfo, plan_ranks, rank_env, rendezvous, visible_devices
-
-_PR_SET_PDEATHSIG = 1
+from hora.spark.rsh import die_with_parent
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,6 +51,9 @@ class TaskJob:
         token: the channel's token.
         nics: interfaces for the rendezvous and gloo, or None for the executor's Spark address.
         with_data: the stage reads ``df=``'s partitions.
+        controller: ``"gloo"`` (each task starts its rank) or ``"mpi"`` (rank 0's task runs mpirun,
+            :mod:`hora.spark.mpi`).
+        mpi_args: extra mpirun arguments (``extra_mpi_args``).
     """
 
     payload: bytes | None
@@ -62,6 +64,8 @@ class TaskJob:
     token: str
     nics: tuple[str, ...] | None
     with_data: bool
+    controller: str = "gloo"
+    mpi_args: tuple[str, ...] = ()
 
 
 def rdd_task(job: TaskJob, iterator: Iterable[Any]) -> Iterator[int]:
@@ -103,35 +107,54 @@ def run_rank(job: TaskJob, batches: Iterable[Any] | None) -> int:
         if "gpu" in resources:
             gpus = tuple(str(a) for a in resources["gpu"].addresses)
         me = TaskInfo(partition=partition, host=host, addr=addr, port=free_port(addr), gpus=gpus, rows=rows)
+        if job.controller == "mpi":
+            from hora.spark.mpi import run_mpi_task
+
+            return run_mpi_task(job, ctx, me, workdir)
         infos = [TaskInfo.from_dict(json.loads(m)) for m in ctx.allGather(json.dumps(me.to_dict()))]
         infos.sort(key=lambda info: info.partition)
         slots = plan_ranks(infos)
         slot = slots[partition]
         env = rank_env(job.env, slot, rendezvous(infos, slots), visible_devices(infos, slots, partition))
         if batches is not None:
-            os.replace(os.path.join(workdir, "data.arrow"), rank_file(workdir, slot.rank))
-            rows_by_rank = [0] * len(slots)
-            for info, s in zip(infos, slots, strict=True):
-                rows_by_rank[s.rank] = info.rows
-            write_meta(workdir, rows_by_rank)
+            place_data(workdir, infos, slots, slot.rank)
             env[HORA_SPARK_DATA] = workdir
         channel = TaskChannel(job.driver[0], job.driver[1], job.token, slot.rank)
         try:
             returncode, tail = _run_child(job, workdir, env, channel)
-            result = b""
-            path = result_file(workdir, slot.rank)
-            if job.payload is not None and os.path.exists(path):
-                with open(path, "rb") as f:
-                    result = f.read()
-            channel.outcome(returncode, host, result, tail)
+            channel.outcome(returncode, host, read_result(job, workdir, slot.rank), tail)
         finally:
             channel.close()
-        if returncode != 0:
-            raise RuntimeError(f"hora.spark: rank {slot.rank} on {host} exited with code {returncode}; "
-                               "the driver reports its traceback")
-        return slot.rank
+        return task_result(slot.rank, host, returncode)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def place_data(workdir: str, infos: Sequence[TaskInfo], slots: Sequence[Placement], rank: int) -> None:
+    """Name the task's spilled partition as rank ``rank``'s file and record every rank's row count beside it."""
+    os.replace(os.path.join(workdir, "data.arrow"), rank_file(workdir, rank))
+    rows_by_rank = [0] * len(slots)
+    for info, s in zip(infos, slots, strict=True):
+        rows_by_rank[s.rank] = info.rows
+    write_meta(workdir, rows_by_rank)
+
+
+def read_result(job: TaskJob, workdir: str, rank: int) -> bytes:
+    """The rank's ``hora.runner.run_task`` result file, or empty for a script or a rank that wrote none."""
+    path = result_file(workdir, rank)
+    if job.payload is None or not os.path.exists(path):
+        return b""
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def task_result(rank: int, host: str, returncode: int) -> int:
+    """What the task yields once its rank's outcome reached the driver: the rank, or, when the rank failed,
+    a RuntimeError that makes Spark fail the stage too (the driver reports the traceback)."""
+    if returncode != 0:
+        raise RuntimeError(f"hora.spark: rank {rank} on {host} exited with code {returncode}; "
+                           "the driver reports its traceback")
+    return rank
 
 
 def _address(host: str) -> str:
@@ -141,27 +164,11 @@ def _address(host: str) -> str:
         return host
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGKILL when the task's Python worker dies (Spark kills it on cancel)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass  # not Linux: the child outlives a killed worker, but still ends when its peers fail
-
-
 def _run_child(job: TaskJob, workdir: str, env: Mapping[str, str], channel: TaskChannel) -> tuple[int, list[str]]:
     """Start the rank, forward its output, wait for it; ``(returncode, last stderr lines)``."""
     child_env = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
     child_env.update(env)
-    if job.payload is not None:
-        with open(os.path.join(workdir, TASK_FILE), "wb") as f:
-            f.write(job.payload)
-        with open(os.path.join(workdir, PATH_FILE), "w", encoding="utf-8") as f:
-            json.dump(list(job.sys_path), f)
-        command = [sys.executable, "-m", "hora.runner.run_task", workdir]
-    else:
-        assert job.command is not None
-        command = [sys.executable, _script(job.command[0]), *job.command[1:]]
+    command = rank_command(job, workdir)
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
 
     def forward(stream: str):
@@ -175,7 +182,7 @@ def _run_child(job: TaskJob, workdir: str, env: Mapping[str, str], channel: Task
         return on_line
 
     process = subprocess.Popen(command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent, start_new_session=True)
+                               stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, start_new_session=True)
     pumps = [pump(process.stdout, forward("stdout")), pump(process.stderr, forward("stderr"))]  # type: ignore[arg-type]
     try:
         returncode = process.wait()
@@ -190,6 +197,18 @@ def _run_child(job: TaskJob, workdir: str, env: Mapping[str, str], channel: Task
     for thread in pumps:
         thread.join(timeout=5)
     return returncode, list(tail)
+
+
+def rank_command(job: TaskJob, workdir: str) -> list[str]:
+    """The rank's command line; for a function, writes its payload and import path into ``workdir`` first."""
+    if job.payload is not None:
+        with open(os.path.join(workdir, TASK_FILE), "wb") as f:
+            f.write(job.payload)
+        with open(os.path.join(workdir, PATH_FILE), "w", encoding="utf-8") as f:
+            json.dump(list(job.sys_path), f)
+        return [sys.executable, "-m", "hora.runner.run_task", workdir]
+    assert job.command is not None
+    return [sys.executable, _script(job.command[0]), *job.command[1:]]
 
 
 def _script(path: str) -> str:

@@ -116,6 +116,39 @@ def spark_session(master: str, **conf: str) -> Iterator[object]:
             os.rmdir(os.path.join(os.path.dirname(pyspark.__file__), "work"))
 
 
+@contextlib.contextmanager
+def local_cluster() -> Iterator[object]:
+    """The tests' ``local-cluster[2,1,1024]`` session (2 executors of 1 core), once both executors registered."""
+    import time
+
+    from hora.spark.driver import slot_count
+
+    with spark_session("local-cluster[2,1,1024]") as session:
+        deadline = time.monotonic() + 120  # executors register a few seconds after the session starts
+        while slot_count(session.sparkContext)[0] < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        yield session
+
+
+@pytest.fixture(scope="module")
+def spark():
+    """One :func:`local_cluster` session per test module that asks for ``spark``."""
+    with local_cluster() as session:
+        yield session
+
+
+def rank_processes() -> list[int]:
+    """The PIDs of hora.spark ranks still running on this machine (a function's rank runs ``run_task``)."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "hora.runner.run_task" in cmdline and any("hora-spark-" in part for part in cmdline):
+            found.append(process.info["pid"])
+    return found
+
+
 @pytest.fixture(autouse=True)
 def _functions_by_value(request):
     """The ranks cannot import test modules: ship a test module's functions by value."""

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import skip_without_spark, spark_session
+from conftest import rank_processes, skip_without_spark
 
 from hora.errors import ConfigError, RankFailedError
 
@@ -24,18 +24,6 @@ pytestmark = [pytest.mark.spark]
 
 #: The job's own variables for every rank: a rank waiting on a dead peer gives up soon.
 ENV = {"HORA_STALL_CHECK_TIME_SECONDS": "10", "HORA_STALL_SHUTDOWN_TIME_SECONDS": "30"}
-
-
-@pytest.fixture(scope="module")
-def spark():
-    with spark_session("local-cluster[2,1,1024]") as session:
-        # executors register a few seconds after the session starts
-        deadline = time.monotonic() + 120
-        from hora.spark.driver import slot_count
-
-        while slot_count(session.sparkContext)[0] < 2 and time.monotonic() < deadline:
-            time.sleep(0.5)
-        yield session
 
 
 def _torch_ranks(offset):
@@ -119,17 +107,6 @@ def _one_rank_raises():
     time.sleep(120)  # rank 0 would hold the job this long if the failure did not cancel it
 
 
-def _rank_processes() -> list[int]:
-    import psutil
-
-    found = []
-    for process in psutil.process_iter(["pid", "cmdline"]):
-        cmdline = process.info["cmdline"] or []
-        if "hora.runner.run_task" in cmdline and any("hora-spark-" in part for part in cmdline):
-            found.append(process.info["pid"])
-    return found
-
-
 @pytest.mark.timeout(300)
 def test_a_raising_rank_cancels_the_job_within_10_s_with_its_traceback(spark):
     out = io.StringIO()
@@ -144,9 +121,9 @@ def test_a_raising_rank_cancels_the_job_within_10_s_with_its_traceback(spark):
     assert "Py4J" not in str(error) and "ValueError: rank one gives up" in str(error)
     assert isinstance(error.__cause__, ValueError)
     deadline = time.monotonic() + 10
-    while _rank_processes() and time.monotonic() < deadline:
+    while rank_processes() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _rank_processes(), "a rank outlived its cancelled job"
+    assert not rank_processes(), "a rank outlived its cancelled job"
 
 
 @pytest.mark.timeout(120)

@@ -1,0 +1,83 @@
+"""``hora.spark.run(..., use_mpi=True)`` on a ``local-cluster[2,1,1024]`` Spark session: mpirun under Spark.
+
+Rank 0's task runs mpirun; on this one host mpirun forks both ranks itself.
+Every test has a timeout.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import time
+
+import pytest
+from conftest import rank_processes, skip_without_spark
+
+from hora.errors import RankFailedError
+
+skip_without_spark()
+
+import hora.spark  # noqa: E402
+from hora.runner.launchers.mpi import mpi_launch_available  # noqa: E402
+
+pytestmark = [pytest.mark.spark,
+              pytest.mark.skipif(not mpi_launch_available(), reason="no mpirun or mpi4py: pip install 'hora[mpi]'")]
+
+ENV = {"HORA_STALL_CHECK_TIME_SECONDS": "10", "HORA_STALL_SHUTDOWN_TIME_SECONDS": "30"}
+
+
+def _torch_ranks(offset):
+    import os
+
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    total = hvd.allreduce(torch.tensor([float(hvd.rank() + offset)]), op=hvd.Sum).item()
+    print(f"rank {hvd.rank()} of {hvd.size()} says hello", flush=True)
+    return (hvd.rank(), hvd.local_rank(), hvd.size(), total, hvd.mpi_enabled(),
+            os.environ.get("OMPI_COMM_WORLD_RANK"))
+
+
+@pytest.mark.timeout(300)
+def test_mpi_torch_results_come_in_rank_order_with_prefixed_output(spark):
+    out = io.StringIO()
+    results = hora.spark.run(_torch_ranks, args=(10,), num_proc=2, env=ENV, use_mpi=True, stdout=out)
+    assert results == [(0, 0, 2, 21.0, True, "0"), (1, 1, 2, 21.0, True, "1")]
+    lines = out.getvalue().splitlines()
+    for rank in (0, 1):
+        assert f"[{rank}]<stdout>:rank {rank} of 2 says hello" in lines, lines
+
+
+def _one_rank_raises():
+    import time
+
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    hvd.allreduce(torch.ones(1))  # both ranks are up and joined
+    if hvd.rank() == 1:
+        print(f"raising at {time.time()}", flush=True)
+        raise ValueError("rank one gives up under MPI")
+    time.sleep(120)  # rank 0 would hold the job this long if the failure did not end it
+
+
+@pytest.mark.timeout(300)
+def test_mpi_raising_rank_ends_the_job_within_10_s_with_its_traceback(spark):
+    out = io.StringIO()
+    with pytest.raises(RankFailedError) as info:
+        hora.spark.run(_one_rank_raises, num_proc=2, env=ENV, stdout=out, use_mpi=True)
+    raised_at = float(re.search(r"raising at ([\d.]+)", out.getvalue()).group(1))
+    assert time.time() - raised_at < 10, out.getvalue()
+    error = info.value
+    assert error.rank == 1 and error.exitcode == 1, str(error)
+    assert "ValueError: rank one gives up under MPI" in error.traceback
+    assert "_one_rank_raises" in error.traceback
+    assert isinstance(error.__cause__, ValueError)
+    deadline = time.monotonic() + 10
+    while rank_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not rank_processes(), "a rank outlived its job"
