@@ -149,11 +149,47 @@ def rank_processes() -> list[int]:
     return found
 
 
+def one_rank_raises(error: BaseException) -> None:
+    """A rank's function: the ranks join, then rank 1 prints ``raising at <time>`` and raises ``error`` while
+    rank 0 sleeps 120 s, as long as the job would take if the failure did not end it."""
+    import time
+
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    hvd.allreduce(torch.ones(1))  # both ranks are up and joined
+    if hvd.rank() == 1:
+        print(f"raising at {time.time()}", flush=True)
+        raise error
+    time.sleep(120)
+
+
+def run_raising_job(error: BaseException, **run_kwargs: object) -> tuple[object, float, str]:
+    """Run :func:`one_rank_raises` with ``hora.spark.run(**run_kwargs)`` on 2 ranks; return the
+    ``RankFailedError`` it raised, the seconds from rank 1's raise to the driver's error, and the stdout."""
+    import io
+    import time
+
+    import hora.spark
+    from hora.errors import RankFailedError
+
+    out = io.StringIO()
+    with pytest.raises(RankFailedError) as info:
+        hora.spark.run(one_rank_raises, args=(error,), num_proc=2, stdout=out, **run_kwargs)
+    raised_at = float(re.search(r"raising at ([\d.]+)", out.getvalue()).group(1))
+    return info.value, time.time() - raised_at, out.getvalue()
+
+
 @pytest.fixture(autouse=True)
 def _functions_by_value(request):
-    """The ranks cannot import test modules: ship a test module's functions by value."""
+    """The ranks cannot import test modules: ship a test module's functions (and this one's) by value."""
     cloudpickle = pytest.importorskip("cloudpickle")
-    cloudpickle.register_pickle_by_value(request.module)
+    modules = [request.module, sys.modules[__name__]]
+    for module in modules:
+        cloudpickle.register_pickle_by_value(module)
     yield
-    with contextlib.suppress(ValueError):
-        cloudpickle.unregister_pickle_by_value(request.module)
+    for module in modules:
+        with contextlib.suppress(ValueError):
+            cloudpickle.unregister_pickle_by_value(module)

@@ -7,13 +7,10 @@ Every test has a timeout.
 from __future__ import annotations
 
 import io
-import re
 import time
 
 import pytest
-from conftest import rank_processes, skip_without_spark
-
-from hora.errors import RankFailedError
+from conftest import rank_processes, run_raising_job, skip_without_spark
 
 skip_without_spark()
 
@@ -50,32 +47,13 @@ def test_mpi_torch_results_come_in_rank_order_with_prefixed_output(spark):
         assert f"[{rank}]<stdout>:rank {rank} of 2 says hello" in lines, lines
 
 
-def _one_rank_raises():
-    import time
-
-    import torch
-
-    import hora.torch as hvd
-
-    hvd.init()
-    hvd.allreduce(torch.ones(1))  # both ranks are up and joined
-    if hvd.rank() == 1:
-        print(f"raising at {time.time()}", flush=True)
-        raise ValueError("rank one gives up under MPI")
-    time.sleep(120)  # rank 0 would hold the job this long if the failure did not end it
-
-
 @pytest.mark.timeout(300)
 def test_mpi_raising_rank_ends_the_job_within_10_s_with_its_traceback(spark):
-    out = io.StringIO()
-    with pytest.raises(RankFailedError) as info:
-        hora.spark.run(_one_rank_raises, num_proc=2, env=ENV, stdout=out, use_mpi=True)
-    raised_at = float(re.search(r"raising at ([\d.]+)", out.getvalue()).group(1))
-    assert time.time() - raised_at < 10, out.getvalue()
-    error = info.value
+    error, seconds, out = run_raising_job(ValueError("rank one gives up under MPI"), env=ENV, use_mpi=True)
+    assert seconds < 10, out
     assert error.rank == 1 and error.exitcode == 1, str(error)
     assert "ValueError: rank one gives up under MPI" in error.traceback
-    assert "_one_rank_raises" in error.traceback
+    assert "one_rank_raises" in error.traceback
     assert isinstance(error.__cause__, ValueError)
     deadline = time.monotonic() + 10
     while rank_processes() and time.monotonic() < deadline:

@@ -12,9 +12,9 @@ import time
 
 import numpy as np
 import pytest
-from conftest import rank_processes, skip_without_spark
+from conftest import rank_processes, run_raising_job, skip_without_spark
 
-from hora.errors import ConfigError, RankFailedError
+from hora.errors import ConfigError
 
 skip_without_spark()
 
@@ -92,32 +92,13 @@ def test_script_path_with_arguments(spark, tmp_path):
     assert (tmp_path / "rank1.txt").read_text() == "2.0 --epochs 3"
 
 
-def _one_rank_raises():
-    import time
-
-    import torch
-
-    import hora.torch as hvd
-
-    hvd.init()
-    hvd.allreduce(torch.ones(1))  # both ranks are up and joined
-    if hvd.rank() == 1:
-        print(f"raising at {time.time()}", flush=True)
-        raise ValueError("rank one gives up")
-    time.sleep(120)  # rank 0 would hold the job this long if the failure did not cancel it
-
-
 @pytest.mark.timeout(300)
 def test_a_raising_rank_cancels_the_job_within_10_s_with_its_traceback(spark):
-    out = io.StringIO()
-    with pytest.raises(RankFailedError) as info:
-        hora.spark.run(_one_rank_raises, num_proc=2, env=ENV, stdout=out)
-    raised_at = float(re.search(r"raising at ([\d.]+)", out.getvalue()).group(1))
-    assert time.time() - raised_at < 10, out.getvalue()
-    error = info.value
+    error, seconds, out = run_raising_job(ValueError("rank one gives up"), env=ENV)
+    assert seconds < 10, out
     assert error.rank == 1 and error.exitcode == 1
     assert "ValueError: rank one gives up" in error.traceback
-    assert "_one_rank_raises" in error.traceback  # the rank's own frames, not Py4J's
+    assert "one_rank_raises" in error.traceback  # the rank's own frames, not Py4J's
     assert "Py4J" not in str(error) and "ValueError: rank one gives up" in str(error)
     assert isinstance(error.__cause__, ValueError)
     deadline = time.monotonic() + 10
