@@ -37,10 +37,11 @@ from hora.errors import (
 )
 from hora.runner.output import prefix, write_bytes
 from hora.spark.channel import DriverChannel
+from hora.spark.job import TaskJob
 from hora.spark.partition import check_schema, rank_file, spill, write_meta
 from hora.spark.plan import HORA_SPARK_DATA, check_slots, choose_controller, job_env, last_traceback
 from hora.spark.plan import spark_error_summary as _summary
-from hora.spark.task import TaskJob, arrow_task, rdd_task
+from hora.spark.task import arrow_task, rdd_task
 
 log = logging.getLogger(__name__)
 

@@ -30,6 +30,7 @@ spilled its partition and described itself:
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -49,7 +51,7 @@ from hora.runner.launchers.base import Interrupt, JobResult, Slot
 from hora.runner.launchers.mpi import ToolSupervisor, find_mpirun, mpi_flavour, mpirun_command
 from hora.runner.output import TAIL_LINES, OutputSink
 from hora.spark.channel import TaskChannel
-from hora.spark.mpi_rank import RANKS_VAR, encode_table
+from hora.spark.job import TaskJob, place_data, rank_command, read_result, task_result
 from hora.spark.plan import (
     CUDA_VISIBLE_DEVICES,
     HORA_SPARK_DATA,
@@ -59,9 +61,23 @@ from hora.spark.plan import (
     visible_devices,
 )
 from hora.spark.rsh import AgentServer, agent_command, die_with_parent, write_agents_file
-from hora.spark.task import TaskJob, place_data, rank_command, read_result, task_result
 
 log = logging.getLogger(__name__)
+
+#: The per-rank table, compressed JSON (``encode_table``); mpirun forwards it to every rank.
+RANKS_VAR = "HORA_SPARK_MPI_RANKS"
+
+
+def encode_table(entries: Sequence[Mapping[str, Any]]) -> str:
+    """The value of :data:`RANKS_VAR`: ``entries[r]`` is rank ``r``'s ``{"dir", "argv", "env"}``, zlib'd and
+    base64'd (the entries repeat the same paths, so a table of hundreds of ranks stays a few kB)."""
+    return base64.b64encode(zlib.compress(json.dumps(list(entries)).encode(), 9)).decode("ascii")
+
+
+def decode_table(text: str) -> list[dict[str, Any]]:
+    """The inverse of :func:`encode_table`."""
+    return json.loads(zlib.decompress(base64.b64decode(text)))
+
 
 #: Seconds between SIGTERM and SIGKILL when rank 0's task stops mpirun.
 MPIRUN_GRACE_S = 3.0

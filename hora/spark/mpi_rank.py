@@ -4,7 +4,7 @@ mpirun runs one command line for every rank, ``python -m
 hora.runner.mpi_child -- python -m hora.spark.mpi_rank``; what differs
 between ranks (the task's directory with the pickled function and the
 partition of ``df=``, the rank variables, the GPUs) comes in
-:data:`RANKS_VAR`, a table built by rank 0's task with one entry per rank.
+:data:`hora.spark.mpi.RANKS_VAR`, a table built by rank 0's task with one entry per rank.
 This module looks up its rank (Open MPI's ``OMPI_COMM_WORLD_RANK``),
 checks that mpirun started it on the host hora placed it on (the task's
 directory exists here), sets the entry's variables and ``exec``\\ s the
@@ -13,29 +13,13 @@ entry's command, so the result file lands in that task's directory.
 
 from __future__ import annotations
 
-import base64
-import json
 import os
 import sys
 import zlib
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from hora.runner.mpi_child import rank_from_env
-
-#: The per-rank table, compressed JSON (``encode_table``); mpirun forwards it to every rank.
-RANKS_VAR = "HORA_SPARK_MPI_RANKS"
-
-
-def encode_table(entries: Sequence[Mapping[str, Any]]) -> str:
-    """The value of :data:`RANKS_VAR`: ``entries[r]`` is rank ``r``'s ``{"dir", "argv", "env"}``, zlib'd and
-    base64'd (the entries repeat the same paths, so a table of hundreds of ranks stays a few kB)."""
-    return base64.b64encode(zlib.compress(json.dumps(list(entries)).encode(), 9)).decode("ascii")
-
-
-def decode_table(text: str) -> list[dict[str, Any]]:
-    """The inverse of :func:`encode_table`."""
-    return json.loads(zlib.decompress(base64.b64decode(text)))
+from hora.spark.mpi import RANKS_VAR, decode_table
 
 
 def main(argv: Sequence[str] | None = None) -> int:

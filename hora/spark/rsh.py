@@ -1,7 +1,7 @@
 """The rsh agent of hora.spark's MPI mode: mpirun reaches other hosts through their Spark tasks, not ssh.
 
 Rank 0's task runs mpirun with ``plm_ssh_agent`` set to ``python -m
-hora.spark.rsh AGENTS_FILE``.  Where Open MPI would run ``ssh HOST
+hora.spark.rsh_agent AGENTS_FILE`` (:func:`main`).  Where Open MPI would run ``ssh HOST
 COMMAND...`` to start its daemon on a host, it runs this agent instead:
 the agent reads the port of the task serving ``HOST`` and the job's token
 from ``AGENTS_FILE`` (written by rank 0's task, readable by its user
@@ -57,7 +57,7 @@ def write_agents_file(path: str, token: str, ports: Mapping[str, tuple[str, int]
 
 def agent_command(agents_file: str) -> str:
     """The ``plm_ssh_agent`` value: this interpreter running the agent with the job's file."""
-    return f"{sys.executable} -m hora.spark.rsh {agents_file}"
+    return f"{sys.executable} -m hora.spark.rsh_agent {agents_file}"
 
 
 def parse_agent_args(argv: Sequence[str]) -> tuple[str, str, str]:
@@ -72,12 +72,12 @@ def parse_agent_args(argv: Sequence[str]) -> tuple[str, str, str]:
     """
     args = list(argv)
     if not args:
-        raise ValueError("usage: python -m hora.spark.rsh AGENTS_FILE HOST COMMAND...")
+        raise ValueError("usage: python -m hora.spark.rsh_agent AGENTS_FILE HOST COMMAND...")
     agents_file, rest = args[0], args[1:]
     while rest and rest[0].startswith("-"):
         rest = rest[1:]
     if len(rest) < 2:
-        raise ValueError("usage: python -m hora.spark.rsh AGENTS_FILE HOST COMMAND...")
+        raise ValueError("usage: python -m hora.spark.rsh_agent AGENTS_FILE HOST COMMAND...")
     return agents_file, rest[0], " ".join(rest[1:])
 
 
@@ -122,7 +122,7 @@ def run_remote(address: str, port: int, token: str, command: str, host: str = ""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: ``python -m hora.spark.rsh AGENTS_FILE HOST COMMAND...`` (run by mpirun, not by users)."""
+    """Entry point: ``python -m hora.spark.rsh_agent AGENTS_FILE HOST COMMAND...`` (run by mpirun, not by users)."""
     try:
         agents_file, host, command = parse_agent_args(sys.argv[1:] if argv is None else argv)
         with open(agents_file, encoding="utf-8") as f:
@@ -254,6 +254,3 @@ class AgentServer(Listener):
             if process.poll() is None:
                 _kill_group(process)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -182,6 +182,29 @@ def run_raising_job(error: BaseException, **run_kwargs: object) -> tuple[object,
     return info.value, time.time() - raised_at, out.getvalue()
 
 
+#: A rank's script: allreduce, then write ``total engine args...`` to ``DIR/rank<r>.txt`` (``DIR`` is argv[1]).
+SCRIPT = """
+import sys
+import torch
+import hora.torch as hvd
+
+hvd.init()
+total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
+with open(f"{sys.argv[1]}/rank{hvd.rank()}.txt", "w") as f:
+    f.write(f"{total} {'mpi' if hvd.mpi_enabled() else 'gloo'} {' '.join(sys.argv[2:])}")
+"""
+
+
+def run_script_job(directory: Path, **run_kwargs: object) -> list[str]:
+    """Run :data:`SCRIPT` as a 2-rank ``hora.spark.run`` job with ``--epochs 3``; the two ranks' files."""
+    import hora.spark
+
+    script = directory / "job.py"
+    script.write_text(SCRIPT)
+    assert hora.spark.run(str(script), args=(str(directory), "--epochs", "3"), num_proc=2, **run_kwargs) is None
+    return [(directory / f"rank{rank}.txt").read_text() for rank in (0, 1)]
+
+
 @pytest.fixture(autouse=True)
 def _functions_by_value(request):
     """The ranks cannot import test modules: ship a test module's functions (and this one's) by value."""

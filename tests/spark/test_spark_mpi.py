@@ -10,7 +10,7 @@ import io
 import time
 
 import pytest
-from conftest import rank_processes, run_raising_job, skip_without_spark
+from conftest import rank_processes, run_raising_job, run_script_job, skip_without_spark
 
 skip_without_spark()
 
@@ -59,3 +59,28 @@ def test_mpi_raising_rank_ends_the_job_within_10_s_with_its_traceback(spark):
     while rank_processes() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not rank_processes(), "a rank outlived its job"
+
+
+def _rows_seen():
+    import numpy as np
+
+    import hora.spark
+    import hora.torch as hvd
+
+    hvd.init()
+    part = hora.spark.data()
+    seen = np.concatenate([b["id"] for b in part.batches(64, columns=["id"], even=False)])
+    return hvd.rank(), part.rank, sorted(int(i) for i in seen)
+
+
+@pytest.mark.timeout(300)
+def test_mpi_ranks_read_their_own_partitions_of_df(spark):
+    df = spark.createDataFrame([(i, float(i)) for i in range(100)], "id long, x double")
+    (r0, p0, seen0), (r1, p1, seen1) = hora.spark.run(_rows_seen, num_proc=2, df=df, env=ENV, use_mpi=True)
+    assert (r0, p0, r1, p1) == (0, 0, 1, 1)
+    assert not set(seen0) & set(seen1) and sorted(seen0 + seen1) == list(range(100))
+
+
+@pytest.mark.timeout(300)
+def test_mpi_runs_a_script_path_with_arguments(spark, tmp_path):
+    assert run_script_job(tmp_path, env=ENV, use_mpi=True) == ["2.0 mpi --epochs 3"] * 2

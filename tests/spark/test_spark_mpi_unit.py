@@ -15,9 +15,9 @@ import pytest
 from hora.errors import ConfigError, LaunchError
 from hora.runner.launchers.mpi import mpi_launch_available
 from hora.spark import mpi, rsh
-from hora.spark.mpi_rank import RANKS_VAR, decode_table, encode_table
+from hora.spark.job import TaskJob
+from hora.spark.mpi import RANKS_VAR, decode_table, encode_table
 from hora.spark.plan import TaskInfo, job_env, plan_ranks
-from hora.spark.task import TaskJob
 
 pytestmark = [pytest.mark.spark]
 
@@ -81,7 +81,7 @@ def test_mpirun_command_on_one_host_and_across_hosts(tmp_path):
                            "/venv/bin/mpirun")
     assert two[two.index("-H") + 1] == "10.0.0.1:1,10.0.0.2:2"
     agent = two[two.index("plm_ssh_agent") + 1]
-    assert agent == f"{sys.executable} -m hora.spark.rsh /w/agents.json"
+    assert agent == f"{sys.executable} -m hora.spark.rsh_agent /w/agents.json"
     assert two[two.index("plm_ssh_no_tree_spawn") + 1] == "1"
     assert "--leave-session-attached" in two  # the daemons stay the serving tasks' children
     assert two[two.index("--prefix") + 1] == "/venv"
@@ -144,7 +144,7 @@ def test_the_command_dies_when_its_agent_goes_away(tmp_path):
         agents = tmp_path / "agents.json"
         rsh.write_agents_file(str(agents), "tok", {"h2": ("127.0.0.1", server.port)})
         assert oct(os.stat(agents).st_mode & 0o777) == "0o600"
-        agent = subprocess.Popen([sys.executable, "-m", "hora.spark.rsh", str(agents), "h2",
+        agent = subprocess.Popen([sys.executable, "-m", "hora.spark.rsh_agent", str(agents), "h2",
                                   f"echo $$ > {pid_file}; exec sleep 60"])
         deadline = time.monotonic() + 20
         while not (pid_file.exists() and pid_file.read_text().strip()) and time.monotonic() < deadline:

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import rank_processes, run_raising_job, skip_without_spark
+from conftest import rank_processes, run_raising_job, run_script_job, skip_without_spark
 
 from hora.errors import ConfigError
 
@@ -71,25 +71,9 @@ def test_keras3_function(spark):
     assert results == [(0, "torch", 3.0), (1, "torch", 3.0)]
 
 
-SCRIPT = """
-import sys
-import torch
-import hora.torch as hvd
-
-hvd.init()
-total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
-with open(f"{sys.argv[1]}/rank{hvd.rank()}.txt", "w") as f:
-    f.write(f"{total} {' '.join(sys.argv[2:])}")
-"""
-
-
 @pytest.mark.timeout(300)
 def test_script_path_with_arguments(spark, tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
-    assert hora.spark.run(str(script), args=(str(tmp_path), "--epochs", "3"), num_proc=2, env=ENV) is None
-    assert (tmp_path / "rank0.txt").read_text() == "2.0 --epochs 3"
-    assert (tmp_path / "rank1.txt").read_text() == "2.0 --epochs 3"
+    assert run_script_job(tmp_path, env=ENV) == ["2.0 gloo --epochs 3"] * 2
 
 
 @pytest.mark.timeout(300)
