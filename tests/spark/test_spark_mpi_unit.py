@@ -275,3 +275,21 @@ def test_mpirun_starts_its_daemon_through_a_serving_task(tmp_path):
     assert result.exit_code == 0 and shared["failure"] is None, result
     assert server.exits == [0]
     assert sorted(result.exits) == [0, 1]
+
+
+def _engine():
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    return hvd.rank(), hvd.mpi_enabled(), hvd.allreduce(torch.ones(1), op=hvd.Sum).item()
+
+
+@needs_mpi
+@pytest.mark.timeout(180)
+def test_without_a_spark_session_mpi_runs_through_hora_run():
+    import hora.spark
+
+    assert hora.spark.run(_engine, num_proc=2, use_mpi=True, extra_mpi_args="--mca btl self,vader,tcp") == [
+        (0, True, 2.0), (1, True, 2.0)]
