@@ -166,8 +166,8 @@ def _number(value: float) -> str:
 def require_gloo(sources: Mapping[str, Mapping[str, str]], engine: str) -> None:
     """Refuse a job whose environment asks for MPI where the ranks can only meet through gloo.
 
-    ``hora.ray`` and ``hora.spark`` start their ranks themselves (as actors, or as
-    children of Spark tasks); ``mpirun`` never starts them, so MPI cannot join them.
+    ``hora.ray`` starts its ranks itself, as actors; ``mpirun`` never starts them,
+    so MPI cannot join them.  (``hora.spark`` runs MPI itself: :mod:`hora.spark.mpi`.)
 
     Args:
         sources: where each environment came from (``{"env": ..., "the driver's environment": ...}``).

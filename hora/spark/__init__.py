@@ -2,7 +2,8 @@
 
 One barrier-mode Spark job places the ranks; each task starts its rank as a
 child process with hora's environment, and the ranks meet through hora's own
-rendezvous and gloo, as in ``hora run --gloo``::
+rendezvous and gloo, as in ``hora run --gloo``; with ``use_mpi=True`` rank 0's
+task runs mpirun over the tasks instead (:mod:`hora.spark.mpi`)::
 
     import hora.spark
 

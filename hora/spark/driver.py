@@ -4,7 +4,8 @@ The driver checks the slots, builds the job's environment once (one secret),
 opens a channel the tasks report to, and submits one barrier stage: over
 ``num_proc`` dummy partitions, or over ``df.repartition(num_proc)`` with
 ``mapInArrow(..., barrier=True)`` when ``df=`` is given.  Each task starts
-its rank as a child process (:mod:`hora.spark.task`).  The driver prints
+its rank as a child process (:mod:`hora.spark.task`); with MPI, rank 0's
+task runs mpirun over all of them instead (:mod:`hora.spark.mpi`).  The driver prints
 the ranks' output with ``[rank]`` prefixes as it arrives and, at the first
 rank that fails, cancels the job and raises
 :class:`hora.errors.RankFailedError` with that rank's traceback.
@@ -12,11 +13,13 @@ rank that fails, cancels the job and raises
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
 import queue
 import secrets
+import shlex
 import sys
 import tempfile
 import threading
@@ -34,10 +37,11 @@ from hora.errors import (
 )
 from hora.runner.output import prefix, write_bytes
 from hora.spark.channel import DriverChannel
+from hora.spark.job import TaskJob
 from hora.spark.partition import check_schema, rank_file, spill, write_meta
-from hora.spark.plan import HORA_SPARK_DATA, check_controller, check_slots, job_env, last_traceback
+from hora.spark.plan import HORA_SPARK_DATA, check_slots, choose_controller, job_env, last_traceback
 from hora.spark.plan import spark_error_summary as _summary
-from hora.spark.task import TaskJob, arrow_task, rdd_task
+from hora.spark.task import arrow_task, rdd_task
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,8 @@ SLOT_WAIT_S = 5.0
 #: After the first failing rank, how long to collect the others' outcomes before naming the root cause
 #: (a rank that raises breaks its peers' collectives, and they report too).
 FAILURE_GRACE_S = 1.0
+#: After mpirun failed (MPI mode), how long to wait for every rank's outcome, which may name the rank to blame.
+LAUNCH_GRACE_S = 5.0
 #: After a cancel, how long to wait for Spark to end the job before raising anyway.
 CANCEL_WAIT_S = 15.0
 #: After the job ends, how long to wait for outcomes still in flight on the channel.
@@ -58,6 +64,9 @@ def run(
     kwargs: Mapping[str, Any] | None = None,
     num_proc: int | None = None,
     start_timeout: float | None = None,
+    use_mpi: bool | None = None,
+    use_gloo: bool | None = None,
+    extra_mpi_args: str | Sequence[str] | None = None,
     env: Mapping[str, str] | None = None,
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
@@ -74,9 +83,10 @@ def run(
     Horovod's ``horovod.spark.run`` signature; inside ``fn`` any hora binding
     (``hora.torch``, ``hora.tensorflow``, ``hora.keras``, ``hora.tensorflow.keras``)
     joins the job with ``hvd.init()``.  Ranks are consecutive on a host; the
-    engine is gloo.  A task that Spark gave GPUs (``resources()['gpu']``)
-    sees them as ``CUDA_VISIBLE_DEVICES`` with its own first at index
-    ``local_rank``.
+    engine is gloo, or MPI with ``use_mpi=True`` (rank 0's task then runs
+    mpirun, whose daemons the other hosts' tasks start: :mod:`hora.spark.mpi`).
+    A task that Spark gave GPUs (``resources()['gpu']``) sees them as
+    ``CUDA_VISIBLE_DEVICES`` with its own first at index ``local_rank``.
 
     Args:
         fn: the function each rank runs, or the path of a Python script
@@ -86,6 +96,12 @@ def run(
         kwargs: keyword arguments of ``fn``.
         num_proc: ranks; None takes every task slot of the application.
         start_timeout: seconds the ranks may take to meet at the rendezvous.
+        use_mpi: run the ranks under mpirun with the MPI engine (Open MPI's
+            mpirun and mpi4py on every executor: ``pip install 'hora[mpi]'``).
+        use_gloo: run the gloo engine (the default).  With neither flag,
+            ``HORA_CONTROLLER``/``HOROVOD_CONTROLLER`` (in ``env``, then the
+            driver's environment) may pick ``mpi``.
+        extra_mpi_args: more mpirun arguments (a string or a list), MPI only.
         env: extra environment variables for every rank.
         stdout: where the ranks' stdout lines go (default ``sys.stdout``).
         stderr: where their stderr lines go (default ``sys.stderr``).
@@ -107,7 +123,8 @@ def run(
         RankFailedError: a rank raised or died (after ``max_retries``
             resubmissions); carries the rank, its host and its traceback.
         ConfigError: bad arguments, or more ranks than task slots (both numbers named).
-        LaunchError: the Spark job failed before any rank reported.
+        LaunchError: the Spark job failed before any rank reported; MPI asked
+            where mpirun or mpi4py is missing; mpirun could not start the ranks.
     """
     command, payload_fn = _what_to_run(fn, args, kwargs)
     if not isinstance(max_retries, int) or max_retries < 0:
@@ -115,7 +132,8 @@ def run(
     if num_proc is not None and (isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1):
         raise ConfigError(f"num_proc={num_proc!r} must be a positive integer or None (every slot)")
     env = {str(k): str(v) for k, v in (env or {}).items()}
-    check_controller(env, os.environ)
+    controller = choose_controller(use_mpi, use_gloo, env, os.environ)
+    mpi_args = _mpi_args(controller, extra_mpi_args)
     nic_list = _nics(nics)
     session = df.sparkSession if df is not None else _active_session()
     if session is None:
@@ -124,7 +142,8 @@ def run(
                               "(SparkSession.builder...getOrCreate())")
         if num_proc is None:
             raise ConfigError("no Spark session is active, so there are no slots to count: give num_proc")
-        return _run_local(command, payload_fn, args, kwargs, num_proc, start_timeout, env, nic_list, verbose, None)
+        return _run_local(command, payload_fn, args, kwargs, num_proc, start_timeout, env, nic_list, verbose, None,
+                          controller, mpi_args)
     try:
         sc = session.sparkContext
     except Exception as e:  # Spark Connect sessions have no SparkContext
@@ -135,7 +154,8 @@ def run(
                                                        not master.startswith("local-cluster"))
     if local:
         count = num_proc or sc.defaultParallelism
-        return _run_local(command, payload_fn, args, kwargs, count, start_timeout, env, nic_list, verbose, df)
+        return _run_local(command, payload_fn, args, kwargs, count, start_timeout, env, nic_list, verbose, df,
+                          controller, mpi_args)
     num_proc = _check_slots(sc, num_proc)
     if df is not None:
         check_schema(df.schema)
@@ -143,8 +163,9 @@ def run(
     job = TaskJob(
         payload=_payload(payload_fn, args, kwargs) if payload_fn is not None else None,
         command=command, sys_path=_import_path(), env=job_env(num_proc=num_proc, start_timeout=start_timeout,
-                                                                nics=nic_list, env=env),
+                                                                nics=nic_list, env=env, controller=controller),
         driver=("", 0), token=secrets.token_hex(16), nics=nic_list, with_data=df is not None,
+        controller=controller, mpi_args=mpi_args,
     )
     output = _Output(stdout or sys.stdout, stderr or sys.stderr, prefix_output_with_timestamp)
     for attempt in range(max_retries + 1):
@@ -169,6 +190,28 @@ def _what_to_run(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None)
     if not callable(fn):
         raise ConfigError(f"fn={fn!r} is neither a function nor the path of a script")
     return None, fn
+
+
+def _mpi_args(controller: str, extra_mpi_args: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``extra_mpi_args`` as a list; checks that MPI was asked and can start here.
+
+    Raises:
+        ConfigError: ``extra_mpi_args`` without MPI.
+        LaunchError: MPI asked but this machine has no mpirun or mpi4py.
+    """
+    args = tuple(shlex.split(extra_mpi_args) if isinstance(extra_mpi_args, str) else extra_mpi_args or ())
+    if controller != "mpi":
+        if args:
+            raise ConfigError(f"extra_mpi_args={extra_mpi_args!r} is for the MPI engine: pass use_mpi=True, or drop "
+                              "them (the job runs on gloo)")
+        return ()
+    from hora.runner.launchers.mpi import mpi_launch_available
+
+    if not mpi_launch_available():
+        raise LaunchError("hora.spark.run was asked for MPI (use_mpi=True or HORA_CONTROLLER=mpi), but this machine "
+                          "has no mpirun or no mpi4py: pip install 'hora[mpi]' on the driver and every executor, "
+                          "or run on gloo (use_gloo=True, the default)")
+    return args
 
 
 def _nics(nics: Sequence[str] | str | None) -> tuple[str, ...] | None:
@@ -250,13 +293,15 @@ class _Output:
         self._timestamps = timestamps
         self._lock = threading.Lock()
 
-    def line(self, rank: int, stream: str, payload: bytes) -> None:
+    def line(self, rank: int | None, stream: str, payload: bytes) -> None:
+        """Write one line of ``rank`` (None: mpirun's own line, printed without a prefix)."""
         if not payload.endswith(b"\n"):
             payload += b"\n"
         stamp = time.strftime("%a %b %d %H:%M:%S %Y").encode() if self._timestamps else b""
+        head = prefix(rank, stream) if rank is not None else b""
         with self._lock:
             try:
-                write_bytes(self._targets.get(stream, self._targets["stderr"]), stamp + prefix(rank, stream) + payload)
+                write_bytes(self._targets.get(stream, self._targets["stderr"]), stamp + head + payload)
             except (BrokenPipeError, ValueError):
                 pass
 
@@ -264,8 +309,10 @@ class _Output:
 class _Outcome:
     """How one rank ended, as its task reported it."""
 
-    def __init__(self, rank: int, returncode: int, host: str, result: bytes, tail: list[str]) -> None:
+    def __init__(self, rank: int, returncode: int, host: str, result: bytes, tail: list[str],
+                 stopped: bool = False) -> None:
         self.rank, self.returncode, self.host, self.result, self.tail = rank, returncode, host, result, tail
+        self.stopped = stopped  # ended by its launcher because another rank failed first (MPI mode)
         self.at = time.monotonic()
 
     def loaded(self) -> tuple[Any, ...] | None:
@@ -290,6 +337,8 @@ class _Outcome:
 
     def consequence(self) -> bool:
         """Whether the rank failed because a peer did (a broken collective or a shut-down engine)."""
+        if self.stopped:
+            return True
         try:
             outcome = self.loaded()
         except Exception:
@@ -301,8 +350,7 @@ class _Outcome:
 def _run_once(sc: Any, job: TaskJob, num_proc: int, df: Any, output: _Output, verbose: int) -> list[Any] | None:
     """Submit the barrier job once; return the results or raise the root cause."""
     channel = DriverChannel(_driver_address(sc), job.token)
-    job = TaskJob(payload=job.payload, command=job.command, sys_path=job.sys_path, env=job.env,
-                  driver=(channel.address, channel.port), token=job.token, nics=job.nics, with_data=job.with_data)
+    job = dataclasses.replace(job, driver=(channel.address, channel.port))
     group = f"hora-spark-{secrets.token_hex(6)}"
     box: dict[str, Any] = {}
 
@@ -323,6 +371,7 @@ def _run_once(sc: Any, job: TaskJob, num_proc: int, df: Any, output: _Output, ve
     outcomes: dict[int, _Outcome] = {}
     first_failure: float | None = None
     ended_at: float | None = None
+    launch_failure: str | None = None  # MPI mode: mpirun could not start the ranks, in its own words
     try:
         while True:
             try:
@@ -340,8 +389,16 @@ def _run_once(sc: Any, job: TaskJob, num_proc: int, df: Any, output: _Output, ve
                         first_failure = now
                         log.debug("hora.spark: rank %d failed; cancelling the job", outcome.rank)
                         sc.cancelJobGroup(group)
+                elif message[0] == "failed":
+                    # mpirun ended the job without a rank exit to blame (an aborting rank takes its wrapper
+                    # along): a rank's own error, reported next by its task, still wins over mpirun's words.
+                    launch_failure = str(message[2])
+                    first_failure = first_failure or now
+                    sc.cancelJobGroup(group)
                 continue
-            if first_failure is not None and now - first_failure >= FAILURE_GRACE_S:
+            if first_failure is not None and now - first_failure >= FAILURE_GRACE_S and launch_failure is None:
+                break
+            if launch_failure is not None and (len(outcomes) >= num_proc or now - first_failure >= LAUNCH_GRACE_S):
                 break
             if not thread.is_alive():
                 ended_at = ended_at or now
@@ -356,8 +413,10 @@ def _run_once(sc: Any, job: TaskJob, num_proc: int, df: Any, output: _Output, ve
         if first_failure is not None:
             thread.join(timeout=CANCEL_WAIT_S)
             failed = sorted((o for o in outcomes.values() if o.returncode != 0), key=lambda o: o.at)
-            root = next((o for o in failed if not o.consequence()), failed[0])
-            raise root.error()
+            root = next((o for o in failed if not o.consequence()), None)
+            if root is None and launch_failure is not None:
+                raise LaunchError(launch_failure)
+            raise (root or failed[0]).error()
         if "error" in box:
             raise LaunchError(f"the Spark job of hora.spark.run failed before any rank reported: "
                               f"{_summary(str(box['error']))}") from None
@@ -397,6 +456,8 @@ def _run_local(
     nics: tuple[str, ...] | None,
     verbose: int,
     df: Any,
+    controller: str = "gloo",
+    mpi_args: tuple[str, ...] = (),
 ) -> list[Any] | None:
     """No Spark cluster: the ranks run on this machine through ``hora.run`` (``hora run`` for a script)."""
     from hora.runner.api import run as hora_run
@@ -415,13 +476,15 @@ def _run_local(
             env = {**env, HORA_SPARK_DATA: directory}
         network_interface = ",".join(nics) if nics else None
         if fn is not None:
-            return hora_run(fn, args=args, kwargs=kwargs, np=num_proc, start_timeout=start_timeout, use_gloo=True,
-                            network_interface=network_interface, env=env, verbose=verbose >= 2)
+            return hora_run(fn, args=args, kwargs=kwargs, np=num_proc, start_timeout=start_timeout,
+                            controller=controller, mpi_args=mpi_args, network_interface=network_interface, env=env,
+                            verbose=verbose >= 2)
         from hora.runner.launch import run_job
         from hora.runner.launch_config import LaunchConfig
 
         assert command is not None
-        result = run_job(LaunchConfig(command=[sys.executable, *command], num_proc=num_proc, controller="gloo",
+        result = run_job(LaunchConfig(command=[sys.executable, *command], num_proc=num_proc, controller=controller,
+                                      launcher="mpi" if controller == "mpi" else None, mpi_args=mpi_args,
                                       start_timeout=start_timeout, network_interface=network_interface, env=env))
         if result.exit_code != 0:
             cause = result.root_cause

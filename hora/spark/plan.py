@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from hora import envvars
 from hora.errors import ConfigError
 from hora.placement import Placement, place_groups
-from hora.runner.env import build_env, require_gloo
+from hora.runner.env import build_env
 from hora.runner.launch_config import LaunchConfig
 from hora.runner.launchers.base import Endpoints
 
@@ -136,14 +136,32 @@ def check_slots(num_proc: int, slots: int, detail: str) -> None:
         )
 
 
-def check_controller(env: Mapping[str, str], driver_env: Mapping[str, str]) -> None:
-    """Refuse a job that asks for MPI: the ranks of a Spark job meet through gloo.
+def choose_controller(use_mpi: bool | None, use_gloo: bool | None, env: Mapping[str, str],
+                      driver_env: Mapping[str, str]) -> str:
+    """The engine of a job: ``"gloo"`` (the default) or ``"mpi"``, as ``horovod.spark.run`` picks it.
+
+    ``use_mpi``/``use_gloo`` win; without them ``HORA_CONTROLLER`` or
+    ``HOROVOD_CONTROLLER`` in ``env``, then in the driver's environment,
+    decides; without those, gloo.
 
     Raises:
-        ConfigError: ``HORA_CONTROLLER`` or ``HOROVOD_CONTROLLER`` names something other than gloo.
+        ConfigError: both flags are True, or a controller variable names neither engine.
     """
-    require_gloo({"env": env, "the driver's environment": driver_env},
-                 "hora.spark starts its ranks inside Spark tasks")
+    if use_mpi and use_gloo:
+        raise ConfigError("use_mpi=True and use_gloo=True contradict each other: set one (gloo is the default)")
+    if use_mpi:
+        return "mpi"
+    if use_gloo or use_mpi is False:
+        return "gloo"
+    for where, values in (("env", env), ("the driver's environment", driver_env)):
+        for name in (envvars.HORA_CONTROLLER, envvars.HOROVOD_CONTROLLER):
+            value = str(values.get(name, "") or "").lower()
+            if value in ("gloo", "mpi"):
+                return value
+            if value:
+                raise ConfigError(f"{name}={values[name]!r} in {where}: hora.spark runs 'gloo' or 'mpi'; set one of "
+                                  "those, or pass use_gloo=True / use_mpi=True")
+    return "gloo"
 
 
 def job_env(
@@ -152,18 +170,20 @@ def job_env(
     start_timeout: float | None,
     nics: Sequence[str] | None,
     env: Mapping[str, str],
+    controller: str = "gloo",
 ) -> dict[str, str]:
     """The variables every rank gets, built on the driver once (one job secret for all).
 
-    The same variables ``hora run --gloo`` gives its workers, built by the
-    same code (:func:`hora.runner.env.build_env`).  The rendezvous address
+    The same variables ``hora run --gloo`` (or ``--mpi`` for ``controller="mpi"``)
+    gives its workers, built by the same code (:func:`hora.runner.env.build_env`).  The rendezvous address
     and port are placeholders here: each task fills in rank 0's task's after
     the address exchange.  ``OMP_NUM_THREADS`` is set only when the user
     set it; otherwise a rank keeps the one Spark gives its task (the task's
     CPUs, ``spark.task.cpus``).
     """
     config = LaunchConfig(
-        command=COMMAND, num_proc=num_proc, launcher="local", controller="gloo", start_timeout=start_timeout,
+        command=COMMAND, num_proc=num_proc, launcher="mpi" if controller == "mpi" else "local", controller=controller,
+        start_timeout=start_timeout,
         network_interface=",".join(nics) if nics else None, env={str(k): str(v) for k, v in env.items()},
     )
     base = {envvars.OMP_NUM_THREADS: "-"}  # keeps build_env from choosing threads for the driver's machine

@@ -16,52 +16,24 @@
 from __future__ import annotations
 
 import collections
-import ctypes
-import dataclasses
 import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from hora.runner.env import NOT_INHERITED, free_port, interface_address
 from hora.runner.output import TAIL_LINES, pump
-from hora.runner.run_task import PATH_FILE, TASK_FILE, result_file
 from hora.spark.channel import TaskChannel
-from hora.spark.partition import rank_file, spill, write_meta
+from hora.spark.job import TaskJob, place_data, rank_command, read_result, task_result
+from hora.spark.mpi import run_mpi_task
+from hora.spark.partition import spill
 from hora.spark.plan import HORA_SPARK_DATA, TaskInfo, plan_ranks, rank_env, rendezvous, visible_devices
-
-_PR_SET_PDEATHSIG = 1
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class TaskJob:
-    """Everything a task needs, shipped in the stage's closure.
-
-    Attributes:
-        payload: the cloudpickled ``(fn, args, kwargs)``, or None for a script.
-        command: the script and its arguments (run with the executor's Python), or None.
-        sys_path: the driver's import path entries outside its interpreter, for ``fn`` pickled by reference.
-        env: the job's variables (:func:`hora.spark.plan.job_env`).
-        driver: the driver channel's address and port.
-        token: the channel's token.
-        nics: interfaces for the rendezvous and gloo, or None for the executor's Spark address.
-        with_data: the stage reads ``df=``'s partitions.
-    """
-
-    payload: bytes | None
-    command: tuple[str, ...] | None
-    sys_path: tuple[str, ...]
-    env: Mapping[str, str]
-    driver: tuple[str, int]
-    token: str
-    nics: tuple[str, ...] | None
-    with_data: bool
+from hora.spark.rsh import die_with_parent
 
 
 def rdd_task(job: TaskJob, iterator: Iterable[Any]) -> Iterator[int]:
@@ -103,33 +75,23 @@ def run_rank(job: TaskJob, batches: Iterable[Any] | None) -> int:
         if "gpu" in resources:
             gpus = tuple(str(a) for a in resources["gpu"].addresses)
         me = TaskInfo(partition=partition, host=host, addr=addr, port=free_port(addr), gpus=gpus, rows=rows)
+        if job.controller == "mpi":
+            return run_mpi_task(job, ctx, me, workdir)
         infos = [TaskInfo.from_dict(json.loads(m)) for m in ctx.allGather(json.dumps(me.to_dict()))]
         infos.sort(key=lambda info: info.partition)
         slots = plan_ranks(infos)
         slot = slots[partition]
         env = rank_env(job.env, slot, rendezvous(infos, slots), visible_devices(infos, slots, partition))
         if batches is not None:
-            os.replace(os.path.join(workdir, "data.arrow"), rank_file(workdir, slot.rank))
-            rows_by_rank = [0] * len(slots)
-            for info, s in zip(infos, slots, strict=True):
-                rows_by_rank[s.rank] = info.rows
-            write_meta(workdir, rows_by_rank)
+            place_data(workdir, infos, slots, slot.rank)
             env[HORA_SPARK_DATA] = workdir
         channel = TaskChannel(job.driver[0], job.driver[1], job.token, slot.rank)
         try:
             returncode, tail = _run_child(job, workdir, env, channel)
-            result = b""
-            path = result_file(workdir, slot.rank)
-            if job.payload is not None and os.path.exists(path):
-                with open(path, "rb") as f:
-                    result = f.read()
-            channel.outcome(returncode, host, result, tail)
+            channel.outcome(returncode, host, read_result(job, workdir, slot.rank), tail)
         finally:
             channel.close()
-        if returncode != 0:
-            raise RuntimeError(f"hora.spark: rank {slot.rank} on {host} exited with code {returncode}; "
-                               "the driver reports its traceback")
-        return slot.rank
+        return task_result(slot.rank, host, returncode)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -141,27 +103,11 @@ def _address(host: str) -> str:
         return host
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGKILL when the task's Python worker dies (Spark kills it on cancel)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass  # not Linux: the child outlives a killed worker, but still ends when its peers fail
-
-
 def _run_child(job: TaskJob, workdir: str, env: Mapping[str, str], channel: TaskChannel) -> tuple[int, list[str]]:
     """Start the rank, forward its output, wait for it; ``(returncode, last stderr lines)``."""
     child_env = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
     child_env.update(env)
-    if job.payload is not None:
-        with open(os.path.join(workdir, TASK_FILE), "wb") as f:
-            f.write(job.payload)
-        with open(os.path.join(workdir, PATH_FILE), "w", encoding="utf-8") as f:
-            json.dump(list(job.sys_path), f)
-        command = [sys.executable, "-m", "hora.runner.run_task", workdir]
-    else:
-        assert job.command is not None
-        command = [sys.executable, _script(job.command[0]), *job.command[1:]]
+    command = rank_command(job, workdir)
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
 
     def forward(stream: str):
@@ -175,7 +121,7 @@ def _run_child(job: TaskJob, workdir: str, env: Mapping[str, str], channel: Task
         return on_line
 
     process = subprocess.Popen(command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent, start_new_session=True)
+                               stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, start_new_session=True)
     pumps = [pump(process.stdout, forward("stdout")), pump(process.stderr, forward("stderr"))]  # type: ignore[arg-type]
     try:
         returncode = process.wait()
@@ -190,13 +136,3 @@ def _run_child(job: TaskJob, workdir: str, env: Mapping[str, str], channel: Task
     for thread in pumps:
         thread.join(timeout=5)
     return returncode, list(tail)
-
-
-def _script(path: str) -> str:
-    """The script's path on this executor: as given, or the copy ``SparkContext.addFile`` shipped."""
-    if os.path.exists(path):
-        return path
-    from pyspark import SparkFiles
-
-    shipped = SparkFiles.get(os.path.basename(path))
-    return shipped if os.path.exists(shipped) else path

@@ -116,11 +116,103 @@ def spark_session(master: str, **conf: str) -> Iterator[object]:
             os.rmdir(os.path.join(os.path.dirname(pyspark.__file__), "work"))
 
 
+@contextlib.contextmanager
+def local_cluster() -> Iterator[object]:
+    """The tests' ``local-cluster[2,1,1024]`` session (2 executors of 1 core), once both executors registered."""
+    import time
+
+    from hora.spark.driver import slot_count
+
+    with spark_session("local-cluster[2,1,1024]") as session:
+        deadline = time.monotonic() + 120  # executors register a few seconds after the session starts
+        while slot_count(session.sparkContext)[0] < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        yield session
+
+
+@pytest.fixture(scope="module")
+def spark():
+    """One :func:`local_cluster` session per test module that asks for ``spark``."""
+    with local_cluster() as session:
+        yield session
+
+
+def rank_processes() -> list[int]:
+    """The PIDs of hora.spark ranks still running on this machine (a function's rank runs ``run_task``)."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "hora.runner.run_task" in cmdline and any("hora-spark-" in part for part in cmdline):
+            found.append(process.info["pid"])
+    return found
+
+
+def one_rank_raises(error: BaseException) -> None:
+    """A rank's function: the ranks join, then rank 1 prints ``raising at <time>`` and raises ``error`` while
+    rank 0 sleeps 120 s, as long as the job would take if the failure did not end it."""
+    import time
+
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    hvd.allreduce(torch.ones(1))  # both ranks are up and joined
+    if hvd.rank() == 1:
+        print(f"raising at {time.time()}", flush=True)
+        raise error
+    time.sleep(120)
+
+
+def run_raising_job(error: BaseException, **run_kwargs: object) -> tuple[object, float, str]:
+    """Run :func:`one_rank_raises` with ``hora.spark.run(**run_kwargs)`` on 2 ranks; return the
+    ``RankFailedError`` it raised, the seconds from rank 1's raise to the driver's error, and the stdout."""
+    import io
+    import time
+
+    import hora.spark
+    from hora.errors import RankFailedError
+
+    out = io.StringIO()
+    with pytest.raises(RankFailedError) as info:
+        hora.spark.run(one_rank_raises, args=(error,), num_proc=2, stdout=out, **run_kwargs)
+    raised_at = float(re.search(r"raising at ([\d.]+)", out.getvalue()).group(1))
+    return info.value, time.time() - raised_at, out.getvalue()
+
+
+#: A rank's script: allreduce, then write ``total engine args...`` to ``DIR/rank<r>.txt`` (``DIR`` is argv[1]).
+SCRIPT = """
+import sys
+import torch
+import hora.torch as hvd
+
+hvd.init()
+total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
+with open(f"{sys.argv[1]}/rank{hvd.rank()}.txt", "w") as f:
+    f.write(f"{total} {'mpi' if hvd.mpi_enabled() else 'gloo'} {' '.join(sys.argv[2:])}")
+"""
+
+
+def run_script_job(directory: Path, **run_kwargs: object) -> list[str]:
+    """Run :data:`SCRIPT` as a 2-rank ``hora.spark.run`` job with ``--epochs 3``; the two ranks' files."""
+    import hora.spark
+
+    script = directory / "job.py"
+    script.write_text(SCRIPT)
+    assert hora.spark.run(str(script), args=(str(directory), "--epochs", "3"), num_proc=2, **run_kwargs) is None
+    return [(directory / f"rank{rank}.txt").read_text() for rank in (0, 1)]
+
+
 @pytest.fixture(autouse=True)
 def _functions_by_value(request):
-    """The ranks cannot import test modules: ship a test module's functions by value."""
+    """The ranks cannot import test modules: ship a test module's functions (and this one's) by value."""
     cloudpickle = pytest.importorskip("cloudpickle")
-    cloudpickle.register_pickle_by_value(request.module)
+    modules = [request.module, sys.modules[__name__]]
+    for module in modules:
+        cloudpickle.register_pickle_by_value(module)
     yield
-    with contextlib.suppress(ValueError):
-        cloudpickle.unregister_pickle_by_value(request.module)
+    for module in modules:
+        with contextlib.suppress(ValueError):
+            cloudpickle.unregister_pickle_by_value(module)

@@ -8,8 +8,8 @@ from hora import envvars
 from hora.errors import ConfigError, RankFailedError
 from hora.spark.plan import (
     TaskInfo,
-    check_controller,
     check_slots,
+    choose_controller,
     job_env,
     last_traceback,
     plan_ranks,
@@ -98,10 +98,19 @@ def test_too_many_ranks_names_both_numbers():
         check_slots(3, 2, "2 executors registered")
 
 
-def test_mpi_is_refused_with_the_variable_named():
-    check_controller({"HORA_CONTROLLER": "gloo"}, {})
-    with pytest.raises(ConfigError, match="HOROVOD_CONTROLLER='mpi' in the driver's environment"):
-        check_controller({}, {"HOROVOD_CONTROLLER": "mpi"})
+def test_the_engine_is_gloo_unless_mpi_is_asked_by_flag_or_variable():
+    assert choose_controller(None, None, {}, {}) == "gloo"
+    assert choose_controller(True, None, {}, {}) == "mpi"
+    assert choose_controller(None, None, {"HORA_CONTROLLER": "mpi"}, {}) == "mpi"
+    assert choose_controller(None, None, {}, {"HOROVOD_CONTROLLER": "MPI"}) == "mpi"
+    # the flags win over the variables; the job's env over the driver's
+    assert choose_controller(None, True, {"HORA_CONTROLLER": "mpi"}, {}) == "gloo"
+    assert choose_controller(False, None, {}, {"HORA_CONTROLLER": "mpi"}) == "gloo"
+    assert choose_controller(None, None, {"HORA_CONTROLLER": "gloo"}, {"HORA_CONTROLLER": "mpi"}) == "gloo"
+    with pytest.raises(ConfigError, match="use_mpi=True and use_gloo=True contradict"):
+        choose_controller(True, True, {}, {})
+    with pytest.raises(ConfigError, match="HOROVOD_CONTROLLER='nccl' in the driver's environment"):
+        choose_controller(None, None, {}, {"HOROVOD_CONTROLLER": "nccl"})
 
 
 def test_task_info_survives_the_exchange():

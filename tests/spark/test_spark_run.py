@@ -12,9 +12,9 @@ import time
 
 import numpy as np
 import pytest
-from conftest import skip_without_spark, spark_session
+from conftest import rank_processes, run_raising_job, run_script_job, skip_without_spark
 
-from hora.errors import ConfigError, RankFailedError
+from hora.errors import ConfigError
 
 skip_without_spark()
 
@@ -24,18 +24,6 @@ pytestmark = [pytest.mark.spark]
 
 #: The job's own variables for every rank: a rank waiting on a dead peer gives up soon.
 ENV = {"HORA_STALL_CHECK_TIME_SECONDS": "10", "HORA_STALL_SHUTDOWN_TIME_SECONDS": "30"}
-
-
-@pytest.fixture(scope="module")
-def spark():
-    with spark_session("local-cluster[2,1,1024]") as session:
-        # executors register a few seconds after the session starts
-        deadline = time.monotonic() + 120
-        from hora.spark.driver import slot_count
-
-        while slot_count(session.sparkContext)[0] < 2 and time.monotonic() < deadline:
-            time.sleep(0.5)
-        yield session
 
 
 def _torch_ranks(offset):
@@ -83,70 +71,24 @@ def test_keras3_function(spark):
     assert results == [(0, "torch", 3.0), (1, "torch", 3.0)]
 
 
-SCRIPT = """
-import sys
-import torch
-import hora.torch as hvd
-
-hvd.init()
-total = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item()
-with open(f"{sys.argv[1]}/rank{hvd.rank()}.txt", "w") as f:
-    f.write(f"{total} {' '.join(sys.argv[2:])}")
-"""
-
-
 @pytest.mark.timeout(300)
 def test_script_path_with_arguments(spark, tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
-    assert hora.spark.run(str(script), args=(str(tmp_path), "--epochs", "3"), num_proc=2, env=ENV) is None
-    assert (tmp_path / "rank0.txt").read_text() == "2.0 --epochs 3"
-    assert (tmp_path / "rank1.txt").read_text() == "2.0 --epochs 3"
-
-
-def _one_rank_raises():
-    import time
-
-    import torch
-
-    import hora.torch as hvd
-
-    hvd.init()
-    hvd.allreduce(torch.ones(1))  # both ranks are up and joined
-    if hvd.rank() == 1:
-        print(f"raising at {time.time()}", flush=True)
-        raise ValueError("rank one gives up")
-    time.sleep(120)  # rank 0 would hold the job this long if the failure did not cancel it
-
-
-def _rank_processes() -> list[int]:
-    import psutil
-
-    found = []
-    for process in psutil.process_iter(["pid", "cmdline"]):
-        cmdline = process.info["cmdline"] or []
-        if "hora.runner.run_task" in cmdline and any("hora-spark-" in part for part in cmdline):
-            found.append(process.info["pid"])
-    return found
+    assert run_script_job(tmp_path, env=ENV) == ["2.0 gloo --epochs 3"] * 2
 
 
 @pytest.mark.timeout(300)
 def test_a_raising_rank_cancels_the_job_within_10_s_with_its_traceback(spark):
-    out = io.StringIO()
-    with pytest.raises(RankFailedError) as info:
-        hora.spark.run(_one_rank_raises, num_proc=2, env=ENV, stdout=out)
-    raised_at = float(re.search(r"raising at ([\d.]+)", out.getvalue()).group(1))
-    assert time.time() - raised_at < 10, out.getvalue()
-    error = info.value
+    error, seconds, out = run_raising_job(ValueError("rank one gives up"), env=ENV)
+    assert seconds < 10, out
     assert error.rank == 1 and error.exitcode == 1
     assert "ValueError: rank one gives up" in error.traceback
-    assert "_one_rank_raises" in error.traceback  # the rank's own frames, not Py4J's
+    assert "one_rank_raises" in error.traceback  # the rank's own frames, not Py4J's
     assert "Py4J" not in str(error) and "ValueError: rank one gives up" in str(error)
     assert isinstance(error.__cause__, ValueError)
     deadline = time.monotonic() + 10
-    while _rank_processes() and time.monotonic() < deadline:
+    while rank_processes() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _rank_processes(), "a rank outlived its cancelled job"
+    assert not rank_processes(), "a rank outlived its cancelled job"
 
 
 @pytest.mark.timeout(120)

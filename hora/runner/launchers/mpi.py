@@ -123,6 +123,7 @@ def mpirun_command(
     *,
     hosts: Sequence[tuple[str, int]] = (),
     flavour: str = "openmpi",
+    rsh_agent: str | None = None,
 ) -> list[str]:
     """The full mpirun command line for the job (values of ``-x`` stay in the environment).
 
@@ -133,6 +134,9 @@ def mpirun_command(
         mpirun: the mpirun executable.
         hosts: ``(host, ranks)`` when the job spans other hosts; empty for this machine only.
         flavour: ``"openmpi"`` or ``"mpich"`` (Hydra), whose flags differ.
+        rsh_agent: Open MPI only: the command mpirun runs in place of ssh to start its daemon on another
+            host (``AGENT HOST COMMAND``), e.g. hora.spark's :mod:`hora.spark.rsh`; the daemons then stay
+            the agent's children (no ``--daemonize``) and only mpirun starts them (no tree spawn).
     """
     names = exported_names(env, config)
     ssh = SshOptions.from_config(config)
@@ -155,7 +159,11 @@ def mpirun_command(
         if num_proc > available_cpus() or hosts:
             command.append("--oversubscribe")
         command += ["--bind-to", "none"]
-        if remote:
+        if remote and rsh_agent:
+            command += ["--prtemca", "plm_ssh_agent", rsh_agent, "--prtemca", "plm_ssh_no_tree_spawn", "1",
+                        "--leave-session-attached"]
+            command += ["--prefix", os.path.dirname(os.path.dirname(mpirun))]
+        elif remote:
             # Open MPI 5 reaches hosts through PRRTE, which reads its own ssh settings.
             command += ["--prtemca", "plm_ssh_args", ssh_args]
             command += ["--prefix", os.path.dirname(os.path.dirname(mpirun))]
