@@ -2,8 +2,8 @@
 
 Handing rows to Python through Spark costs a JVM decode of every value, a
 conversion to Arrow and, to balance the ranks, a shuffle: on 1M rows of 784
-floats that is 5 to 25 times slower than reading the same Parquet files with
-pyarrow.  When the DataFrame is nothing but a scan of local Parquet files
+floats, 2 ranks, that took 4 to 10 times as long as pyarrow reading the same
+Parquet files (docs/benchmarks.md).  When the DataFrame is nothing but a scan of local Parquet files
 (``spark.read.parquet(path)``, optionally with a ``select`` of some of its
 columns; no filter, no computed column, no partition columns), the driver
 reads the files' footers instead (:func:`scan_files`), splits the rows into
@@ -65,7 +65,12 @@ def _same_type(spark_type: Any, arrow_type: Any) -> bool:
 
 def _plain_scan(df: Any) -> bool:
     """Whether ``df``'s optimized plan is a Parquet relation without partition columns, or a projection of
-    some of its columns (nothing that filters, computes or renames)."""
+    some of its columns (nothing that filters, computes or renames).
+
+    Table formats built on Parquet (Delta, Iceberg) have relations or file
+    formats of other names, and their files may hold rows they deleted: they
+    go through Spark.
+    """
     plan = df._jdf.queryExecution().optimizedPlan()
     if plan.getClass().getSimpleName() == "Project":
         projections = plan.projectList()
