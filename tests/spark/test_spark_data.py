@@ -212,3 +212,30 @@ def test_the_rank_finds_its_file_share_in_its_environment(tmp_path, monkeypatch)
     assert isinstance(share, FileShare) and share.columns == ["id", "x"]
     assert np.concatenate([b["id"] for b in share.batches(3)]).tolist() == list(range(5, 10))
     assert manifest([("/x" * 60_000, 1)], ["id"], 2) is None  # too long for one environment variable
+
+
+def test_file_share_memory_stays_bounded_by_one_row_group(tmp_path):
+    """50 MB of rows in Parquet row groups of 1 MB; reading them holds a few row groups, not the share."""
+    import tracemalloc
+
+    import pyarrow.parquet as pq
+
+    from hora.spark.files import FileShare
+
+    width, group_rows, count = 256, 1024, 50
+    table = pa.Table.from_batches([_numbers(0, group_rows, width)] * count)
+    path = str(tmp_path / "big.parquet")
+    pq.write_table(table, path, row_group_size=group_rows, compression="none")
+    del table
+    group_bytes = group_rows * width * 4
+    share = FileShare([(path, group_rows * count)], ["id", "x", "flag"], [group_rows * count], 0)
+    tracemalloc.start()
+    arrow_peak = rows = 0
+    for batch in share.batches(batch_size=100, shuffle=True):
+        rows += len(batch["id"])
+        arrow_peak = max(arrow_peak, pa.total_allocated_bytes())
+    _, numpy_peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert rows == group_rows * count
+    assert numpy_peak < 4 * group_bytes, numpy_peak
+    assert arrow_peak < 4 * group_bytes, arrow_peak
