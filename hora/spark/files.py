@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from hora.errors import HoraError
-from hora.spark.partition import PartitionData, _check_columns
+from hora.spark.partition import PartitionData, check_columns
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class FileShare(PartitionData):
     def record_batches(self, columns: Sequence[str] | None = None, rng: np.random.Generator | None = None
                        ) -> Generator[Any, None, None]:
         """This rank's rows as Arrow record batches of at most :data:`READ_BATCH` rows (see the base class)."""
-        names = _check_columns(columns, self._columns)
+        names = check_columns(columns, self._columns)
         pieces = self.pieces()
         order = np.arange(len(pieces))
         if rng is not None:

@@ -260,7 +260,7 @@ class PartitionData:
 
         with pa.OSFile(self.path, "rb") as source:
             reader = pa.ipc.open_file(source)
-            names = _check_columns(columns, reader.schema.names)
+            names = check_columns(columns, reader.schema.names)
             order = np.arange(reader.num_record_batches)
             if rng is not None:
                 rng.shuffle(order)
@@ -300,8 +300,12 @@ class PartitionData:
         return tf.data.Dataset.from_generator(generate, output_signature=signature)
 
 
-def _check_columns(columns: Sequence[str] | None, available: Sequence[str]) -> list[str]:
-    """``columns`` (every one of ``available`` for None), after checking they exist."""
+def check_columns(columns: Sequence[str] | None, available: Sequence[str]) -> list[str]:
+    """``columns`` (every one of ``available`` for None), after checking they exist.
+
+    Raises:
+        ConfigError: a column is not in ``available``; the message names it and lists the columns there are.
+    """
     names = list(columns) if columns is not None else list(available)
     missing = [n for n in names if n not in available]
     if missing:
