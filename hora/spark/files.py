@@ -2,7 +2,7 @@
 
 Handing rows to Python through Spark costs a JVM decode of every value, a
 conversion to Arrow and, to balance the ranks, a shuffle: on 1M rows of 784
-floats, 2 ranks, that took 4 to 10 times as long as pyarrow reading the same
+floats, 2 ranks, that took 9 to 14 times as long as pyarrow reading the same
 Parquet files (docs/benchmarks.md).  When the DataFrame is nothing but a scan of local Parquet files
 (``spark.read.parquet(path)``, optionally with a ``select`` of some of its
 columns; no filter, no computed column, no partition columns), the driver
