@@ -14,14 +14,20 @@
    sides; the ratio is the median of the per-pair ratios.  The ranks' CPU
    time per step is printed beside it: on a loaded machine it shows whether
    a gap is the ranks' own work or their share of the CPUs.
-3. **Feeding** (``--rows`` rows of ``--width`` float32s, 1M x 784 by default):
-   Spark writes the data to a local Parquet directory once; then one rank of
-   ``hora.spark.run(fn, df=spark.read.parquet(...))`` reads its partition as
-   NumPy batches of ``--feed-batch`` rows (the rank's rows/s, and its peak
-   RSS), against one process reading the same Parquet files with pyarrow
-   into the same NumPy batches.  The end-to-end time of the ``df=`` job
-   (Spark's read, repartition, Arrow transfer, the spill and the read) is
-   printed too.
+3. **Feeding** (``--rows`` rows of one ``--width``-float32 array column,
+   1M x 784 by default, in 8 Parquet files that pyarrow writes in seconds):
+   each of 2 ranks of ``hora.spark.run(fn, df=...)`` reads its half as
+   NumPy batches of ``--feed-batch`` rows for ``--epochs`` epochs, against
+   pyarrow (``ParquetFile.iter_batches``, the same batches and conversion)
+   reading the same halves in 2 processes at once, as the ranks do, and one
+   alone.  Two ways in: ``spark.read.parquet(path)`` itself, whose files the
+   ranks read directly (:mod:`hora.spark.files`), and the same scan behind a
+   filter that keeps every row, which Spark hands over (``mapInArrow`` after
+   a repartition, spilled to a local Arrow file).  For each: the rank's
+   first epoch as it reads it, the first pass from ``run()`` called (job
+   launch and Spark's transfer included) against pyarrow's from its process's
+   start, the later epochs, and each side's peak RSS.  ``--breakdown`` also
+   times Spark handing the rows to Python alone, with and without a shuffle.
 
 Run::
 
@@ -59,9 +65,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=1_000_000, help="rows of the feeding DataFrame (0: skip part 3)")
     p.add_argument("--width", type=int, default=784, help="float32 columns per row (one array column)")
     p.add_argument("--feed-batch", type=int, default=1024, help="rows per NumPy batch when feeding")
+    p.add_argument("--epochs", type=int, default=3, help="epochs each rank reads when feeding (the first timed apart)")
+    p.add_argument("--ways", default="files,spark",
+                   help="feeding: files (the ranks read the Parquet files), spark (Spark hands the rows over)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="feeding: also time Spark handing the rows to Python with and without a shuffle")
     p.add_argument("--parts", default="1,2,3", help="which parts to run")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    p.add_argument("--peer-read", nargs=3, metavar=("DIR", "BATCH", "ROWS"), help=argparse.SUPPRESS)
+    p.add_argument("--peer-read", nargs=4, metavar=("DIR", "BATCH", "PART", "PARTS"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -102,53 +113,173 @@ def torch_first_collective() -> float:
     return done
 
 
-def feed_rank(batch: int) -> dict[str, float]:
-    """One rank's pass over its partition of ``df=``: rows, seconds, peak RSS."""
+def feed_rank(batch: int, epochs: int) -> dict[str, float]:
+    """One rank's passes over its partition of ``df=``: when it started and when its first epoch ended
+    (``time.time()``, to set against the moment ``run()`` was called), the first epoch's seconds from
+    ``hora.spark.data()`` on, the rows and seconds of the later epochs, its peak RSS."""
+    started = time.time()
+    import pyarrow.parquet  # noqa: F401  (imported before the timing starts, as the peer's imports are)
+
     import hora.spark
 
+    read_start = time.time()
     part = hora.spark.data()
-    start = time.perf_counter()
     rows = 0
     for chunk in part.batches(batch, columns=["x"], even=False):
         rows += len(chunk["x"])
-    seconds = time.perf_counter() - start
-    return {"rows": rows, "seconds": seconds, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    first_end = time.time()
+    later_rows, t = 0, time.perf_counter()
+    for _ in range(epochs - 1):
+        for chunk in part.batches(batch, columns=["x"], even=False):
+            later_rows += len(chunk["x"])
+    return {"rows": rows, "started": started, "first_end": first_end, "first_read_s": first_end - read_start,
+            "later_rows": later_rows, "later_s": time.perf_counter() - t,
+            "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def feed_parquet(directory: str, batch: int, limit: int) -> dict[str, float]:
-    """The peer, in a process of its own: pyarrow reads the Parquet files into NumPy batches of ``batch`` rows
-    (``limit`` rows); rows, seconds and peak RSS."""
-    import pyarrow.dataset as ds
+def write_parquet(directory: str, rows: int, width: int, files: int = 8) -> None:
+    """The data set: ``rows`` rows of one ``width``-float32 array column ``x``, in ``files`` Parquet files
+    written with pyarrow (row groups of 16,384 rows), which Spark reads as ``array<float>``."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(directory)
+    rng = np.random.default_rng(0)
+    per_file = -(-rows // files)
+    for index in range(files):
+        count = min(per_file, rows - index * per_file)
+        if count <= 0:
+            break
+        values = pa.array(rng.random((count, width), dtype=np.float32).ravel())
+        table = pa.table({"x": pa.FixedSizeListArray.from_arrays(values, width)})
+        pq.write_table(table, os.path.join(directory, f"part-{index:05d}.parquet"), row_group_size=16384)
+
+
+def feed_parquet(directory: str, batch: int, part: int, parts: int) -> dict[str, float]:
+    """The peer, in a process of its own: pyarrow reads part ``part`` of ``parts`` of the Parquet files (a
+    contiguous run of files, as a rank's share is a contiguous run of rows) with ``ParquetFile.iter_batches``,
+    the fastest of pyarrow's readers here, into NumPy ``(batch, width)`` float32 arrays; rows, seconds and
+    peak RSS."""
+    import glob
+
+    import pyarrow.parquet as pq
 
     from hora.spark.partition import column_to_numpy
 
+    paths = sorted(glob.glob(os.path.join(directory, "*.parquet")))
     start = time.perf_counter()
     rows = 0
-    for record in ds.dataset(directory, format="parquet").to_batches(columns=["x"], batch_size=batch):
-        rows += len(column_to_numpy(record.column(0), "x"))
-        if rows >= limit:
-            break
+    for path in paths[part * len(paths) // parts:(part + 1) * len(paths) // parts]:
+        for record in pq.ParquetFile(path).iter_batches(batch_size=batch, columns=["x"]):
+            rows += len(column_to_numpy(record.column(0), "x"))
     seconds = time.perf_counter() - start
     return {"rows": rows, "seconds": seconds, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def peer_read(directory: str, batch: int, limit: int) -> dict[str, float]:
-    """:func:`feed_parquet` in a new Python process (its peak RSS is then its own)."""
+def peer_read(directory: str, batch: int, parts: int, which: list[int]) -> list[dict[str, float]]:
+    """:func:`feed_parquet` for the parts in ``which``, each in a new Python process (so its peak RSS is its
+    own), all at once; each result also has ``wall_s``, from starting the process to its end."""
     import subprocess
 
-    out = subprocess.run([sys.executable, __file__, "--peer-read", directory, str(batch), str(limit)],
-                         capture_output=True, text=True, check=True, timeout=3600).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, __file__, "--peer-read", directory, str(batch), str(part), str(parts)],
+                              stdout=subprocess.PIPE, text=True) for part in which]
+    results = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=3600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the pyarrow reader exited with code {proc.returncode}")
+        results.append({**json.loads(out.strip().splitlines()[-1]), "wall_s": time.perf_counter() - t0})
+    return results
+
+
+def _count_rows(batches):
+    """A pass-through stage's function: reads every Arrow batch Spark hands to Python, yields the count."""
+    import pyarrow as pa
+
+    rows = sum(b.num_rows for b in batches)
+    yield pa.RecordBatch.from_arrays([pa.array([rows], pa.int64())], names=["rows"])
+
+
+def spark_stages(df, num_proc: int) -> dict[str, float]:
+    """Where the first pass goes: seconds for Spark to hand ``df``'s rows to Python as Arrow (a
+    ``mapInArrow`` that only counts them), with whole input partitions per task and after a repartition."""
+    out = {}
+    for name, frame in (("narrow", df.coalesce(num_proc)), ("shuffle", df.repartition(num_proc))):
+        t = time.perf_counter()
+        frame.mapInArrow(_count_rows, "rows long").collect()
+        out[name] = time.perf_counter() - t
+    return out
+
+
+def feed(spark, args: argparse.Namespace, scratch: str, env: dict[str, str]) -> dict[str, object]:
+    """Part 3: the data set written, the pyarrow peer, Spark's own stages, then ``run(fn, df=...)``."""
+    import hora.spark
+
+    path = os.path.join(scratch, "data.parquet")
+    t = time.perf_counter()
+    write_parquet(path, args.rows, args.width)
+    print(f"  wrote {args.rows} rows x {args.width} float32 to Parquet with pyarrow in {time.perf_counter() - t:.1f} s",
+          flush=True)
+    df = spark.read.parquet(path)
+    alone = peer_read(path, args.feed_batch, 2, [0])[0]  # also warms the page cache for Spark's read
+    pair = peer_read(path, args.feed_batch, 2, [0, 1])  # two readers at once, as the two ranks read
+    for name, result in [("alone", alone), *((f"with another reader, part {i}", r) for i, r in enumerate(pair))]:
+        print(f"  pyarrow Parquet read, {name}: {result['rows']} rows in {result['seconds']:.2f} s "
+              f"({result['rows'] / result['seconds']:,.0f} rows/s; {result['wall_s']:.2f} s from the process's start), "
+              f"peak RSS {result['rss_mb']:.0f} MB   load {load()}", flush=True)
+    out: dict[str, object] = {"parquet_alone": alone, "parquet_pair": pair,
+                              "input_partitions": df.rdd.getNumPartitions()}
+    if args.breakdown:
+        stages = spark_stages(df, 2)
+        out["spark_stages_s"] = stages
+        print(f"  Spark to Python as Arrow, counting only: whole input partitions {stages['narrow']:.1f} s, "
+              f"after a repartition {stages['shuffle']:.1f} s   load {load()}", flush=True)
+    from pyspark.sql import functions as F
+
+    from hora.spark.files import scan_files
+
+    # The same rows both ways: the plain scan, which the ranks read from the files, and the scan behind a filter
+    # that keeps every row, which makes Spark hand the rows over (mapInArrow after a repartition).
+    ways = [("files", df), ("spark", df.where(F.col("x").isNotNull()))]
+    for way, frame in ways:
+        if way not in args.ways.split(","):
+            continue
+        assert (scan_files(frame) is not None) == (way == "files")
+        t0 = time.time()
+        results = hora.spark.run(feed_rank, args=(args.feed_batch, args.epochs), num_proc=2, env=env, df=frame)
+        end_to_end = time.time() - t0
+        summary: dict[str, object] = {"ranks": results, "end_to_end_s": end_to_end}
+        for rank, r in enumerate(results):
+            peer = pair[rank]
+            peer_rate = peer["rows"] / peer["seconds"]
+            peer_launch_rate = peer["rows"] / peer["wall_s"]
+            first_rate = r["rows"] / (r["first_end"] - t0)
+            read_rate = r["rows"] / r["first_read_s"]
+            later_rate = r["later_rows"] / r["later_s"] if r["later_s"] > 0 else float("nan")
+            summary[f"rank{rank}"] = {
+                "first_pass_rows_per_s": first_rate, "first_epoch_in_rank_rows_per_s": read_rate,
+                "later_rows_per_s": later_rate, "first_in_rank_ratio": read_rate / peer_rate,
+                "later_ratio": later_rate / peer_rate, "first_from_run_ratio": first_rate / peer_launch_rate}
+            print(f"feeding via {way}, rank {rank}: {r['rows']:.0f} rows. First epoch, inside the rank: "
+                  f"{r['first_read_s']:.2f} s = {read_rate:,.0f} rows/s = {read_rate / peer_rate:.3f}x pyarrow's "
+                  f"part {rank} ({peer_rate:,.0f} rows/s). First pass from run() called: {r['first_end'] - t0:.1f} s "
+                  f"(fn started after {r['started'] - t0:.1f} s) = {first_rate:,.0f} rows/s = "
+                  f"{first_rate / peer_launch_rate:.3f}x pyarrow's from its process's start ({peer['wall_s']:.2f} s). "
+                  f"Later epochs {later_rate:,.0f} rows/s = {later_rate / peer_rate:.2f}x. Peak RSS "
+                  f"{r['rss_mb']:.0f} MB (pyarrow's {peer['rss_mb']:.0f} MB)   load {load()}", flush=True)
+        out[way] = summary
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.peer_read:
-        print(json.dumps(feed_parquet(args.peer_read[0], int(args.peer_read[1]), int(args.peer_read[2]))))
+        print(json.dumps(feed_parquet(args.peer_read[0], *(int(a) for a in args.peer_read[1:]))))
         return 0
     parts = {int(p) for p in args.parts.split(",") if p}
     from pyspark.sql import SparkSession
-    from pyspark.sql import functions as F
 
     import hora
     import hora.spark
@@ -218,27 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"(pairs {', '.join(f'{r:.3f}' for r in ratios)}); by the ranks' CPU time per step (gloo's / "
                       f"spark's): {statistics.median(cpu_ratios):.3f}", flush=True)
             if 3 in parts and args.rows > 0:
-                path = os.path.join(scratch, "data.parquet")
-                t = time.perf_counter()
-                columns = [F.rand(seed=i).cast("float") for i in range(args.width)]
-                spark.range(args.rows).select(F.array(*columns).alias("x")).write.parquet(path)
-                print(f"  wrote {args.rows} rows x {args.width} floats to Parquet in {time.perf_counter() - t:.1f} s",
-                      flush=True)
-                t = time.perf_counter()
-                results = hora.spark.run(feed_rank, args=(args.feed_batch,), num_proc=2, env=env,
-                                         df=spark.read.parquet(path))
-                end_to_end = time.perf_counter() - t
-                rank0 = results[0]
-                peer = peer_read(path, args.feed_batch, int(rank0["rows"]))
-                ours_rate = rank0["rows"] / rank0["seconds"]
-                peer_rate = peer["rows"] / peer["seconds"]
-                figures["feed"] = {"ranks": results, "parquet": peer, "end_to_end_s": end_to_end,
-                                   "ratio": ours_rate / peer_rate}
-                print(f"feeding: rank 0 read {rank0['rows']:.0f} rows in {rank0['seconds']:.2f} s "
-                      f"({ours_rate:,.0f} rows/s, peak RSS {rank0['rss_mb']:.0f} MB); pyarrow Parquet read of "
-                      f"the same rows {peer['seconds']:.2f} s ({peer_rate:,.0f} rows/s, peak RSS "
-                      f"{peer['rss_mb']:.0f} MB); ratio {ours_rate / peer_rate:.3f}; the whole df= job "
-                      f"{end_to_end:.1f} s", flush=True)
+                figures["feed"] = feed(spark, args, scratch, env)
         finally:
             spark.stop()
             shutil.rmtree(scratch, ignore_errors=True)

@@ -159,7 +159,7 @@ def run(
     num_proc = _check_slots(sc, num_proc)
     if df is not None:
         check_schema(df.schema)
-        df = df.repartition(num_proc)
+        env, df = _share_out(df, num_proc, env)
     job = TaskJob(
         payload=_payload(payload_fn, args, kwargs) if payload_fn is not None else None,
         command=command, sys_path=_import_path(), env=job_env(num_proc=num_proc, start_timeout=start_timeout,
@@ -177,6 +177,19 @@ def run(
             log.warning("hora.spark: %s; resubmitting the job (retry %d of %d)", str(e).splitlines()[0],
                         attempt + 1, max_retries)
     raise AssertionError("unreachable")
+
+
+def _share_out(df: Any, num_proc: int, env: dict[str, str]) -> tuple[dict[str, str], Any]:
+    """How ``df`` reaches the ranks: ``(env, None)`` when they read its Parquet files themselves
+    (:mod:`hora.spark.files`), else ``(env, df.repartition(num_proc))`` for the barrier stage."""
+    from hora.spark.files import HORA_SPARK_FILES, manifest, scan_files
+
+    files = scan_files(df)
+    text = manifest(files, df.columns, num_proc) if files else None
+    if text is None:
+        return env, df.repartition(num_proc)
+    log.debug("hora.spark: the ranks read df='s %d Parquet files directly", len(files or ()))
+    return {**env, HORA_SPARK_FILES: text}, None
 
 
 def _what_to_run(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> tuple[

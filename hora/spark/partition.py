@@ -1,8 +1,10 @@
 """A rank's share of ``hora.spark.run(fn, df=...)``: its partition as an Arrow file, read back batch by batch.
 
-The Spark task writes the Arrow record batches of its partition (from
-``mapInArrow``) to a local Arrow IPC file as they arrive (:func:`spill`); the
-rank reads that file with :func:`data`, for as many epochs as it likes.  A
+A DataFrame that only scans Parquet files is read from its files instead
+(:mod:`hora.spark.files`).  For every other one, the Spark task writes the
+Arrow record batches of its partition (from ``mapInArrow``) to a local Arrow
+IPC file as they arrive (:func:`spill`); the rank reads that file with
+:func:`data`, for as many epochs as it likes.  A
 read holds one of the file's record batches (``spark.sql.execution.arrow.
 maxRecordsPerBatch`` rows, 10,000 by default) plus the batch being built,
 never the whole partition: the file is read, not memory-mapped.
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -213,31 +215,21 @@ class PartitionData:
         ``epoch`` (the order is the same on a rank for a given
         ``seed`` and ``epoch``).  ``drop_last`` leaves out a last, short batch.
         """
-        import pyarrow as pa
-
         if batch_size < 1:
             raise ConfigError(f"batch_size={batch_size!r} must be a positive integer")
         limit = self.even_rows if even else self.num_rows
         if drop_last:
             limit -= limit % batch_size
         rng = np.random.default_rng([seed, epoch, self.rank]) if shuffle else None
-        with pa.OSFile(self.path, "rb") as source:
-            reader = pa.ipc.open_file(source)
-            names = list(columns) if columns is not None else list(reader.schema.names)
-            missing = [n for n in names if n not in reader.schema.names]
-            if missing:
-                raise ConfigError(f"columns {missing} are not in the data; it has {list(reader.schema.names)}")
-            order = np.arange(reader.num_record_batches)
-            if rng is not None:
-                rng.shuffle(order)
-            pending: list[dict[str, np.ndarray]] = []
-            pending_rows = 0
-            left = limit
-            for index in order:
+        pending: list[dict[str, np.ndarray]] = []
+        pending_rows = 0
+        left = limit
+        records = self.record_batches(columns, rng)
+        try:
+            for record in records:
                 if left <= 0:
                     break
-                record = reader.get_batch(int(index))
-                part = {n: column_to_numpy(record.column(n), n) for n in names}
+                part = {n: column_to_numpy(record.column(n), n) for n in record.schema.names}
                 rows = record.num_rows
                 if rng is not None:
                     permutation = rng.permutation(rows)
@@ -251,8 +243,30 @@ class PartitionData:
                 while pending_rows >= batch_size:
                     batch, pending, pending_rows = _take(pending, batch_size)
                     yield batch
-            if pending_rows:
-                yield _take(pending, pending_rows)[0]
+        finally:
+            records.close()  # closes the file now, not when the generator is collected
+        if pending_rows:
+            yield _take(pending, pending_rows)[0]
+
+    def record_batches(self, columns: Sequence[str] | None = None, rng: np.random.Generator | None = None
+                       ) -> Generator[Any, None, None]:
+        """The partition's Arrow record batches with ``columns`` (all for None), in the file's order or, with
+        ``rng``, in a random order of the file's batches.
+
+        Raises:
+            ConfigError: a column is not in the data.
+        """
+        import pyarrow as pa
+
+        with pa.OSFile(self.path, "rb") as source:
+            reader = pa.ipc.open_file(source)
+            names = check_columns(columns, reader.schema.names)
+            order = np.arange(reader.num_record_batches)
+            if rng is not None:
+                rng.shuffle(order)
+            for index in order:
+                record = reader.get_batch(int(index))
+                yield record if names == record.schema.names else record.select(names)
 
     def torch_dataset(self, batch_size: int = 256, **kwargs: Any) -> Any:
         """A ``torch.utils.data.IterableDataset`` of batches (dicts of tensors): ``DataLoader(ds, batch_size=None)``.
@@ -286,6 +300,19 @@ class PartitionData:
         return tf.data.Dataset.from_generator(generate, output_signature=signature)
 
 
+def check_columns(columns: Sequence[str] | None, available: Sequence[str]) -> list[str]:
+    """``columns`` (every one of ``available`` for None), after checking they exist.
+
+    Raises:
+        ConfigError: a column is not in ``available``; the message names it and lists the columns there are.
+    """
+    names = list(columns) if columns is not None else list(available)
+    missing = [n for n in names if n not in available]
+    if missing:
+        raise ConfigError(f"columns {missing} are not in the data; it has {list(available)}")
+    return names
+
+
 def _take(pending: list[dict[str, np.ndarray]], count: int) -> tuple[dict[str, np.ndarray], list, int]:
     """The first ``count`` rows of the pending parts as one batch; the parts left and their rows."""
     taken: list[dict[str, np.ndarray]] = []
@@ -311,8 +338,12 @@ def data(directory: str | None = None) -> PartitionData:
     Raises:
         HoraError: the rank was not started by ``hora.spark.run`` with ``df=``.
     """
-    directory = directory or os.environ.get(HORA_SPARK_DATA)
+    from hora.spark import files  # imports this module: here, not at the top
+
     rank_text = os.environ.get(envvars.HORA_RANK, "")
+    if directory is None and rank_text.isdigit() and os.environ.get(files.HORA_SPARK_FILES):
+        return files.file_share(os.environ[files.HORA_SPARK_FILES], int(rank_text))
+    directory = directory or os.environ.get(HORA_SPARK_DATA)
     if not directory or not rank_text.isdigit():
         raise HoraError("hora.spark.data() is only available inside a rank of hora.spark.run(fn, df=...): "
                         "pass the DataFrame as df=")

@@ -146,3 +146,96 @@ def test_tf_dataset_gives_the_same_rows(tmp_path):
     assert np.concatenate(ids).tolist() == list(range(10))
     assert dataset.element_spec["x"].shape.as_list() == [None, 3]
     assert dataset.element_spec["x"].dtype == tf.float32
+
+
+def _parquet_files(tmp_path, sizes, group_rows=4, width=3):
+    """Parquet files of consecutive ids (and an array column), ``sizes[i]`` rows in file i."""
+    import pyarrow.parquet as pq
+
+    files, start = [], 0
+    for index, size in enumerate(sizes):
+        path = str(tmp_path / f"part-{index}.parquet")
+        pq.write_table(pa.Table.from_batches([_numbers(start, size, width)]), path, row_group_size=group_rows)
+        files.append((path, size))
+        start += size
+    return files
+
+
+def test_split_rows_is_contiguous_and_even():
+    from hora.spark.files import split_rows
+
+    assert split_rows(10, 3) == [3, 3, 4]
+    assert split_rows(2, 3) == [0, 1, 1]
+    assert split_rows(0, 2) == [0, 0]
+    for total, ranks in [(1_000_003, 7), (17, 4)]:
+        rows = split_rows(total, ranks)
+        assert sum(rows) == total and max(rows) - min(rows) <= 1
+
+
+def test_file_shares_are_disjoint_complete_and_balanced(tmp_path):
+    from hora.spark.files import FileShare, split_rows
+
+    files = _parquet_files(tmp_path, [7, 0, 10, 6])  # row groups of 4: shares start and end inside groups
+    rows = split_rows(23, 3)
+    shares = [FileShare(files, ["id", "x", "flag"], rows, rank) for rank in range(3)]
+    seen = [np.concatenate([b["id"] for b in s.batches(batch_size=5, even=False)]).tolist() for s in shares]
+    assert seen == [list(range(0, 7)), list(range(7, 15)), list(range(15, 23))]
+    assert [s.num_rows for s in shares] == [7, 8, 8]
+    (batch,) = shares[1].batches(batch_size=100, columns=["x"], even=False)
+    assert batch.keys() == {"x"} and batch["x"].shape == (8, 3) and batch["x"][0].tolist() == [7.0] * 3
+    assert sum(len(b["id"]) for b in shares[2].batches(batch_size=3)) == 7  # even: the smallest share's rows
+    shuffled = [np.concatenate([b["id"] for b in shares[2].batches(4, shuffle=True, epoch=e, even=False)]).tolist()
+                for e in (0, 1)]
+    assert sorted(shuffled[0]) == sorted(shuffled[1]) == seen[2] and shuffled[0] != shuffled[1]
+
+
+def test_a_file_share_the_rank_cannot_open_names_the_file(tmp_path):
+    from hora.spark.files import FileShare
+
+    files = _parquet_files(tmp_path, [4])
+    missing = str(tmp_path / "gone.parquet")
+    share = FileShare([*files, (missing, 4)], ["id"], [4, 4], 1)
+    with pytest.raises(HoraError, match="rank 1 cannot read .*gone.parquet.*every executor must see them"):
+        list(share.batches(4))
+    with pytest.raises(ConfigError, match="not in the data"):
+        list(FileShare(files, ["id"], [4], 0).batches(4, columns=["nope"]))
+
+
+def test_the_rank_finds_its_file_share_in_its_environment(tmp_path, monkeypatch):
+    from hora.spark.files import HORA_SPARK_FILES, FileShare, manifest
+    from hora.spark.partition import data
+
+    files = _parquet_files(tmp_path, [5, 5])
+    monkeypatch.setenv(HORA_SPARK_FILES, manifest(files, ["id", "x"], 2))
+    monkeypatch.setenv("HORA_RANK", "1")
+    share = data()
+    assert isinstance(share, FileShare) and share.columns == ["id", "x"]
+    assert np.concatenate([b["id"] for b in share.batches(3)]).tolist() == list(range(5, 10))
+    assert manifest([("/x" * 60_000, 1)], ["id"], 2) is None  # too long for one environment variable
+
+
+def test_file_share_memory_stays_bounded_by_one_row_group(tmp_path):
+    """50 MB of rows in Parquet row groups of 1 MB; reading them holds a few row groups, not the share."""
+    import tracemalloc
+
+    import pyarrow.parquet as pq
+
+    from hora.spark.files import FileShare
+
+    width, group_rows, count = 256, 1024, 50
+    table = pa.Table.from_batches([_numbers(0, group_rows, width)] * count)
+    path = str(tmp_path / "big.parquet")
+    pq.write_table(table, path, row_group_size=group_rows, compression="none")
+    del table
+    group_bytes = group_rows * width * 4
+    share = FileShare([(path, group_rows * count)], ["id", "x", "flag"], [group_rows * count], 0)
+    tracemalloc.start()
+    arrow_peak = rows = 0
+    for batch in share.batches(batch_size=100, shuffle=True):
+        rows += len(batch["id"])
+        arrow_peak = max(arrow_peak, pa.total_allocated_bytes())
+    _, numpy_peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert rows == group_rows * count
+    assert numpy_peak < 4 * group_bytes, numpy_peak
+    assert arrow_peak < 4 * group_bytes, arrow_peak

@@ -182,6 +182,45 @@ def test_df_trains_the_digits_mlp_on_disjoint_halves(spark):
     assert accuracy0 == accuracy1 >= 0.95
 
 
+def _file_share_ids():
+    import os
+
+    import hora.spark
+
+    part = hora.spark.data()
+    epochs = [np.concatenate([b["id"] for b in part.batches(7, shuffle=True, epoch=e, even=False)]).tolist()
+              for e in range(2)]
+    widths = {b["x"].shape[1] for b in part.batches(50, columns=["x"])}
+    return "HORA_SPARK_FILES" in os.environ, part.columns, epochs, widths
+
+
+@pytest.mark.timeout(300)
+def test_df_of_parquet_files_is_read_by_the_ranks_from_the_files(spark, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from pyspark.sql import functions as F
+
+    from hora.spark.files import scan_files
+
+    ids = np.arange(101)
+    x = pa.FixedSizeListArray.from_arrays(pa.array(np.repeat(ids, 4).astype(np.float32)), 4)
+    table = pa.table({"id": pa.array(ids), "x": x, "extra": pa.array(ids * 2.0)})
+    for index, (lo, hi) in enumerate([(0, 30), (30, 31), (31, 101)]):
+        pq.write_table(table.slice(lo, hi - lo), str(tmp_path / f"part-{index}.parquet"), row_group_size=16)
+    df = spark.read.parquet(str(tmp_path)).select("id", "x")
+    assert [n for _, n in scan_files(df)] == [30, 1, 70]
+    # anything Spark must compute goes through Spark
+    assert scan_files(df.where("id > 3")) is None
+    assert scan_files(df.withColumn("y", F.col("id") + 1)) is None
+    assert scan_files(df.select(F.col("id").alias("key"))) is None
+    results = hora.spark.run(_file_share_ids, num_proc=2, df=df, env=ENV)
+    (direct0, columns, (first0, second0), widths), (direct1, _, (first1, second1), _) = results
+    assert direct0 and direct1 and columns == ["id", "x"] and widths == {4}
+    assert sorted(first0) == sorted(second0) and first0 != second0  # a new shuffle, the same rows
+    assert sorted(first1) == sorted(second1)
+    assert sorted(first0) == list(range(50)) and sorted(first1) == list(range(50, 101))
+
+
 @pytest.mark.timeout(120)
 def test_an_unsupported_column_is_named_before_the_job_starts(spark):
     df = spark.createDataFrame([(1.0, "a")], "x double, name string")
