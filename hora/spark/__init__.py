@@ -24,6 +24,7 @@ Spark itself is imported only when a job starts; ``pip install 'hora[spark]'`` i
 from __future__ import annotations
 
 from hora.spark.driver import run
-from hora.spark.partition import PartitionData, data
+from hora.spark.partition import PartitionData
+from hora.spark.share import data
 
 __all__ = ["PartitionData", "data", "run"]

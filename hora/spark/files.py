@@ -22,13 +22,14 @@ from typing import Any
 
 import numpy as np
 
+from hora import envvars
 from hora.errors import HoraError
 from hora.spark.partition import PartitionData, check_columns
 
 log = logging.getLogger(__name__)
 
 #: The variable that hands every rank the files, the columns and the rows of each rank (JSON).
-HORA_SPARK_FILES = "HORA_SPARK_FILES"
+HORA_SPARK_FILES = envvars.HORA_SPARK_FILES
 #: Rows per Arrow batch read from a row group: Spark's own ``maxRecordsPerBatch`` default.
 READ_BATCH = 10_000
 #: Longer manifests go through Spark instead: one environment string may not exceed 128 KiB on Linux.

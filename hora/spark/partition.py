@@ -24,9 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from hora import envvars
 from hora.errors import ConfigError, HoraError
-from hora.spark.plan import HORA_SPARK_DATA
 
 #: The rank's Arrow file and the job's row counts, in the directory named by ``HORA_SPARK_DATA``.
 META_FILE = "meta.json"
@@ -330,24 +328,3 @@ def _take(pending: list[dict[str, np.ndarray]], count: int) -> tuple[dict[str, n
     batch = taken[0] if len(taken) == 1 else {n: np.concatenate([t[n] for t in taken]) for n in taken[0]}
     left = sum(len(next(iter(p.values()))) for p in pending)
     return batch, pending, left
-
-
-def data(directory: str | None = None) -> PartitionData:
-    """This rank's partition of ``hora.spark.run(fn, df=...)``; call it inside ``fn`` (or the script).
-
-    Raises:
-        HoraError: the rank was not started by ``hora.spark.run`` with ``df=``.
-    """
-    from hora.spark import files  # imports this module: here, not at the top
-
-    rank_text = os.environ.get(envvars.HORA_RANK, "")
-    if directory is None and rank_text.isdigit() and os.environ.get(files.HORA_SPARK_FILES):
-        return files.file_share(os.environ[files.HORA_SPARK_FILES], int(rank_text))
-    directory = directory or os.environ.get(HORA_SPARK_DATA)
-    if not directory or not rank_text.isdigit():
-        raise HoraError("hora.spark.data() is only available inside a rank of hora.spark.run(fn, df=...): "
-                        "pass the DataFrame as df=")
-    with open(os.path.join(directory, META_FILE), encoding="utf-8") as f:
-        rows = json.load(f)["rows"]
-    rank = int(rank_text)
-    return PartitionData(rank_file(directory, rank), rows, rank)

@@ -21,7 +21,7 @@ from hora.runner.launchers.base import Endpoints
 #: What the job's command is called where a launcher would print it.
 COMMAND = ("hora.spark",)
 #: The variable the task sets for a child whose rank has a partition of ``df=``: the directory of its Arrow file.
-HORA_SPARK_DATA = "HORA_SPARK_DATA"
+HORA_SPARK_DATA = envvars.HORA_SPARK_DATA
 #: Where the GPUs Spark gave a task are named for the rank (a process sees only these).
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 

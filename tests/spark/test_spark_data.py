@@ -203,7 +203,7 @@ def test_a_file_share_the_rank_cannot_open_names_the_file(tmp_path):
 
 def test_the_rank_finds_its_file_share_in_its_environment(tmp_path, monkeypatch):
     from hora.spark.files import HORA_SPARK_FILES, FileShare, manifest
-    from hora.spark.partition import data
+    from hora.spark.share import data
 
     files = _parquet_files(tmp_path, [5, 5])
     monkeypatch.setenv(HORA_SPARK_FILES, manifest(files, ["id", "x"], 2))
