@@ -30,3 +30,25 @@ def test_dead_peer_gives_error_and_root_cause(run_job):
     assert time.monotonic() - start < 45
     assert proc.returncode == 7, proc.stderr[-2000:]
     assert "root cause: rank 1" in proc.stderr and "exited with code 7" in proc.stderr
+
+
+RAISES_WHILE_PEER_WORKS = """
+import time
+import hora.torch as hvd
+hvd.init()
+if hvd.rank() == 1:
+    raise RuntimeError("rank 1 gives up")
+time.sleep(60)  # a long step: the job must not wait for it to end
+"""
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_a_rank_that_raises_ends_the_job_while_a_peer_is_busy(run_job, controller, tmp_path):
+    # Under MPI the raising rank would otherwise wait in MPI_Finalize for its busy peer (mpi4py finalizes at exit).
+    script = tmp_path / "raises.py"
+    script.write_text(RAISES_WHILE_PEER_WORKS)
+    start = time.monotonic()
+    proc = run_job(2, [sys.executable, str(script)], mpi=controller == "mpi", timeout=90)
+    assert time.monotonic() - start < 30, proc.stderr[-2000:]
+    assert proc.returncode != 0
+    assert "root cause: rank 1" in proc.stderr and "RuntimeError: rank 1 gives up" in proc.stderr

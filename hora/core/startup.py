@@ -76,7 +76,31 @@ def _mpi_controller(topology: Topology) -> Backend:
             f"{envvars.HORA_CONTROLLER}=mpi but MPI sees {backend.size} process(es) while the launcher started "
             f"{topology.size}: launch with `hora run --mpi` (or mpirun) to use the MPI controller"
         )
+    _abort_on_uncaught_exception()
     return backend
+
+
+def _abort_on_uncaught_exception() -> None:
+    """Make an exception that ends this rank end the whole MPI job at once (as ``python -m mpi4py`` does).
+
+    Without it the rank prints its traceback and then waits in ``MPI_Finalize`` (mpi4py calls it at exit)
+    until every other rank finalizes too, so mpirun, and ``hora run``'s fail-fast, learn of the failure
+    only when the others stop by themselves: a peer in a long step or a collective keeps the job alive.
+    """
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback) -> None:  # type: ignore[no-untyped-def]
+        previous(kind, value, traceback)  # the traceback first: it is what the user needs to read
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = hook
 
 
 def _gloo_controller(topology: Topology, config: EngineConfig, rdv: RendezvousConfig, generation: str,

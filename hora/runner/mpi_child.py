@@ -72,6 +72,9 @@ def marker_line(rank: int, returncode: int, stopped: bool) -> bytes:
 
 def parse_marker(line: bytes) -> dict | None:
     """The record in a marker line, or None if ``line`` is not one."""
+    # mpirun's own messages share the stream: its MPI_ABORT banner ends in a NUL byte that lands before the marker.
+    # A rank's output never can: mpirun tags each of its lines with [rank]<stream>: first.
+    line = line.lstrip(b" \t\0")
     if not line.startswith(MARKER):
         return None
     try:

@@ -296,4 +296,5 @@ def test_exit_marker_round_trip():
     record = parse_marker(line)
     assert record is not None and (record["rank"], record["returncode"], record["stopped"]) == (3, -9, True)
     assert parse_marker(b"[3]<stderr>:__hora_rank_exit__ {}\n") is None
+    assert parse_marker(b"\0" + line) == record  # after the NUL byte that ends mpirun's abort banner
     assert parse_marker(b"__hora_rank_exit__ not json\n") is None
