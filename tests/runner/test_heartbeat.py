@@ -212,3 +212,21 @@ def test_beats_keep_a_ready_agent_waiting_for_the_start_past_the_deadline(agent)
     agent.send(op="start")
     assert agent.records("exit", 20)[-1]["exit"] == {"key": "0", "returncode": 0}
     assert agent.proc.wait(timeout=10) == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("rank_ran", [False, True])
+def test_open_mpis_start_up_race_is_told_apart_from_a_job_that_ran(rank_ran):
+    # mpirun losing its PMIx listener race before any rank ran may be started again; once a rank ran, never.
+    said = "print('[0]<stdout>:step 1', flush=True); " if rank_ran else ""
+    race = "The PMIx server's listener thread failed to start. We cannot"
+    code = f"import sys; {said}print({race!r}, file=sys.stderr); sys.exit(213)"
+    tool = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    slots = [Slot(rank=r, size=2, local_rank=r, local_size=2, cross_rank=0, cross_size=1, host="localhost")
+             for r in range(2)]
+    supervisor = ToolSupervisor(tool, slots, OutputSink(sys.stdout, sys.stderr), Interrupt(), grace=1.0)
+    result = supervisor.run()
+    assert result.exit_code != 0
+    assert supervisor.failed_to_start() is (not rank_ran)
+    assert supervisor.start_failure == race

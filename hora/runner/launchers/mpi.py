@@ -66,6 +66,12 @@ class HostWatchLike(Protocol):
 MPIRUN_TEARDOWN_SECONDS = 5.0
 #: How long mpirun gets to end by itself after a host was lost (it would wait on that host's daemon).
 LOST_HOST_TEARDOWN_SECONDS = 1.0
+#: How many times mpirun is started when it fails in one of Open MPI's own start-up races (below) before any
+#: rank runs. Nothing of the job has happened then, so starting again is safe.
+START_ATTEMPTS = 3
+#: Lines by which Open MPI reports a start-up failure that a second start does not repeat: its PMIx
+#: server's listener thread losing a race at start (seen on loaded machines; also in other projects' CI).
+START_RACES = ("The PMIx server's listener thread failed to start",)
 
 
 def mpirun_path(environ: Mapping[str, str] | None = None) -> str | None:
@@ -239,6 +245,21 @@ class MpiLauncher(Launcher):
         )
         if config.verbose:
             sink.emit_raw("stderr", f"hora run: {shlex.join(command)}".encode())
+        for attempt in range(1, START_ATTEMPTS + 1):
+            result, supervisor = self._run_once(command, mpirun_env, hosts, spans, config, slots, sink, interrupt)
+            if attempt == START_ATTEMPTS or not supervisor.failed_to_start():
+                break
+            logger.warning("mpirun failed while starting, before any rank ran (%s); starting it again (%d of %d)",
+                           supervisor.start_failure, attempt + 1, START_ATTEMPTS)
+        if result.message and config.mpi_by_default:
+            result.message += ("; hora run used mpirun because MPI is installed: pass --gloo to start the "
+                               "processes with hora's own launcher instead")
+        return result
+
+    @staticmethod
+    def _run_once(command: list[str], mpirun_env: dict[str, str], hosts: dict[str, int], spans: bool,
+                  config: LaunchConfig, slots: Sequence[Slot], sink: OutputSink,
+                  interrupt: Interrupt) -> tuple[JobResult, ToolSupervisor]:
         try:
             proc = subprocess.Popen(
                 command, env=mpirun_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -252,16 +273,12 @@ class MpiLauncher(Launcher):
 
             watch = HostWatch(list(hosts), SshOptions.from_config(config), HeartbeatConfig.from_env(),
                               path=mpirun_env.get("PATH"))
+        supervisor = ToolSupervisor(proc, slots, sink, interrupt, config.grace_period, tool="mpirun", watch=watch)
         try:
-            result = ToolSupervisor(proc, slots, sink, interrupt, config.grace_period, tool="mpirun",
-                                    watch=watch).run()
+            return supervisor.run(), supervisor
         finally:
             if watch is not None:
                 watch.close()
-        if result.message and config.mpi_by_default:
-            result.message += ("; hora run used mpirun because MPI is installed: pass --gloo to start the "
-                               "processes with hora's own launcher instead")
-        return result
 
 
 class ToolSupervisor:
@@ -296,14 +313,26 @@ class ToolSupervisor:
         self.interrupted_by: int | None = None
         self.deadline: float | None = None  # when we stop waiting for mpirun to finish on its own
         self.escalation = 0
+        self.rank_output = False
         self.pumps = [
             pump(proc.stdout, lambda line: self._line("stdout", line)),  # type: ignore[arg-type]
             pump(proc.stderr, lambda line: self._line("stderr", line)),  # type: ignore[arg-type]
         ]
 
+    def failed_to_start(self) -> bool:
+        """Whether the tool ended in one of its known start-up races, before any rank ran or was interrupted."""
+        return (self.start_failure is not None and not self.rank_output and not self.exits
+                and self.interrupted_by is None and self.proc.returncode not in (0, None))
+
+    @property
+    def start_failure(self) -> str | None:
+        """The tool's own line that names a known, transient start-up failure, if it printed one."""
+        return next((line.strip() for line in self.mpirun_tail if any(m in line for m in START_RACES)), None)
+
     def _line(self, stream: str, line: bytes) -> None:
         prefixed = split_prefixed(line)
         if prefixed is not None:
+            self.rank_output = True
             self.sink.emit(*prefixed)
             return
         record = parse_marker(line) if stream == "stderr" else None
