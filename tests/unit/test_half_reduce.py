@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hora.core.buffers.half import HalfReducer, bf16_to_f32, f32_to_bf16
+from hora.core.buffers.half import HalfReducer, bf16_to_f32, f16_to_f32, f32_to_bf16
 from hora.core.ops import ReduceOp
 
 torch = pytest.importorskip("torch")
@@ -103,6 +103,12 @@ def test_bfloat16_round_trip_is_exact():
     finite = ~np.isnan(bf16_to_f32(every))
     np.testing.assert_array_equal(out[finite], every[finite])
     assert np.isnan(bf16_to_f32(out[~finite])).all()
+
+
+def test_f16_to_f32_is_numpys_cast_on_every_bit_pattern():
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    want = every.view(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(f16_to_f32(every).view(np.uint32), want.view(np.uint32))
 
 
 def test_f32_to_bf16_matches_torch_on_all_rounding_cases():

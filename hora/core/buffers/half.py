@@ -8,8 +8,8 @@ ranks therefore rounds once per step, not once at the end.
 
 bfloat16 is the upper half of a float32, so its widening is a 16-bit shift
 and its narrowing a rounding of the low half; NumPy needs no bfloat16 type
-for either.  float16 goes through NumPy's own float16 casts (round to
-nearest even in hardware where the CPU has F16C).
+for either.  float16 is widened with integer shifts and one multiply, and
+narrowed by NumPy's float16 cast (round to nearest even).
 
 The kernels work on whole segments with scratch space that grows once and is
 reused, so a call allocates nothing in the steady state.  They are not
@@ -40,6 +40,31 @@ def bf16_to_f32(words: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     np.copyto(out, words.view(np.uint16), casting="unsafe")
     np.left_shift(out, 16, out=out)
     return out.view(np.float32)
+
+
+def f16_to_f32(words: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Widen float16 bit patterns (any 16-bit dtype) to float32, exactly, NaN payloads included.
+
+    Integer shifts put the sign at bit 31 and the exponent and mantissa 13
+    bits up; one float32 multiply by 2**112 then rebiases the exponent and
+    turns subnormals into normals.  About four times NumPy's own float16 cast,
+    which is scalar code.  Infinities and NaNs are patched afterwards.
+    """
+    if out is None:
+        out = np.empty(words.shape, np.uint32)
+    w = words.view(np.uint16)
+    np.copyto(out, w, casting="unsafe")
+    np.left_shift(out, 16, out=out)
+    signed = out.view(np.int32)
+    np.right_shift(signed, 3, out=signed)  # arithmetic: the sign lands on bits 31..28
+    np.bitwise_and(out, np.uint32(0x8FFFFFFF), out=out)  # keep bit 31 of those
+    values = out.view(np.float32)
+    np.multiply(values, np.float32(2.0**112), out=values)
+    special = (w & 0x7C00) == 0x7C00
+    if special.any():
+        s = w[special].astype(np.uint32)
+        out[special] = ((s & 0x8000) << 16) | 0x7F800000 | ((s & 0x3FF) << 13)
+    return values
 
 
 def f32_to_bf16(values: np.ndarray, out: np.ndarray, scratch: np.ndarray | None = None) -> None:
@@ -98,9 +123,8 @@ class HalfReducer:
     def _reduce(dtype: str, ufunc: np.ufunc, src: np.ndarray, inout: np.ndarray, a: np.ndarray,
                 b: np.ndarray) -> None:
         if dtype == "float16":
-            fa, fb = a.view(np.float32), b.view(np.float32)
-            np.copyto(fa, src.view(np.float16))
-            np.copyto(fb, inout.view(np.float16))
+            fa = f16_to_f32(src, a)
+            fb = f16_to_f32(inout, b)
             ufunc(fb, fa, out=fb)
             np.copyto(inout.view(np.float16), fb, casting="same_kind")
         elif dtype == "bfloat16":
