@@ -9,6 +9,7 @@ mpi4py calls never interleave with it.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,7 +17,9 @@ import numpy as np
 
 from hora.core.backends.base import Backend, wait_with_backoff
 from hora.core.buffers import Array
+from hora.core.buffers.half import HALF_DTYPES, HalfReducer
 from hora.core.ops import ReduceOp
+from hora.envvars import HORA_MPI_HALF_OPS
 from hora.errors import BackendError
 
 log = logging.getLogger(__name__)
@@ -40,15 +43,20 @@ def host_array(buf: Array) -> np.ndarray:
 
 
 def _torch_host() -> Callable[[Array], np.ndarray]:
-    global _host_numpy
+    global _host_numpy, _torch_bf16
     if _host_numpy is None:
+        import torch
+
         from hora.core.buffers.torch_ops import host_numpy
 
+        _torch_bf16 = torch.bfloat16
         _host_numpy = host_numpy
     return _host_numpy
 
 
 _host_numpy: Callable[[Array], np.ndarray] | None = None
+#: torch.bfloat16 once a torch tensor was seen (its host view is int16 bits, indistinguishable from int16).
+_torch_bf16: Any = None
 
 
 def mpi_available() -> bool:
@@ -58,6 +66,15 @@ def mpi_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _half_fn(reducer: HalfReducer, name: str, op: ReduceOp) -> Callable[[Any, Any, Any], None]:
+    """The body of one user-defined MPI reduction: ``inout = inout (op) in`` on 16-bit words of ``name``."""
+
+    def reduce(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+        reducer.reduce(name, op, np.frombuffer(inbuf, np.uint16), np.frombuffer(inoutbuf, np.uint16))
+
+    return reduce
 
 
 class MPIBackend(Backend):
@@ -89,7 +106,55 @@ class MPIBackend(Backend):
             np.dtype(np.float32): MPI.FLOAT,
             np.dtype(np.float64): MPI.DOUBLE,
         }
-        self.reduce_dtypes = frozenset(d.name for d in self._types)
+        self._half_ops = self._create_half_ops()
+        self.reduce_dtypes = frozenset(d.name for d in self._types) | (
+            frozenset(HALF_DTYPES) if self._half_ops else frozenset())
+
+    def _create_half_ops(self) -> dict[str, dict[ReduceOp, Any]]:
+        """User-defined MPI reductions that keep float16 and bfloat16 16-bit on the wire, or {} for the upcast.
+
+        Decided once, here, and agreed by every rank (a minimum over the
+        world), because the executor plans its casts from ``reduce_dtypes``
+        and ranks that planned differently would exchange different bytes.
+        ``HORA_MPI_HALF_OPS=0`` keeps the float32 upcast; so does an MPI
+        library that refuses the user-defined operators or gets the probe
+        reduction wrong.
+        """
+        MPI = self._MPI
+        ops: dict[str, dict[ReduceOp, Any]] = {}
+        wanted = os.environ.get(HORA_MPI_HALF_OPS, "1").strip().lower() not in ("0", "false", "no", "off")
+        if wanted:
+            reducer = HalfReducer()
+            try:
+                for name in HALF_DTYPES:
+                    ops[name] = {op: MPI.Op.Create(_half_fn(reducer, name, op), commute=True)
+                                 for op in self._ops}
+            except Exception as e:  # an MPI without user-defined operators
+                log.info("MPI refused user-defined reductions (%s): float16/bfloat16 travel as float32", e)
+                self._free_half_ops(ops)
+                ops = {}
+        if not self.comm.allreduce(1 if ops else 0, op=MPI.MIN):
+            self._free_half_ops(ops)
+            return {}
+        # Probe: ranks contribute 1.0 and rank + 1 in float16; the sum must come back exact.
+        probe = np.array([1.0, self.rank + 1], np.float16).view(np.uint16)
+        try:
+            self.comm.Allreduce(MPI.IN_PLACE, [probe, 2, MPI.UINT16_T], op=ops["float16"][ReduceOp.SUM])
+            good = probe.view(np.float16).tolist() == [self.size, self.size * (self.size + 1) // 2]
+        except Exception as e:  # pragma: no cover - depends on the MPI library
+            log.info("MPI's user-defined float16 reduction failed (%s): float16/bfloat16 travel as float32", e)
+            good = False
+        if not self.comm.allreduce(1 if good else 0, op=MPI.MIN):
+            self._free_half_ops(ops)
+            return {}
+        return ops
+
+    @staticmethod
+    def _free_half_ops(ops: dict[str, dict[ReduceOp, Any]]) -> None:
+        for table in ops.values():
+            for mpi_op in table.values():
+                mpi_op.Free()
+        ops.clear()
 
     @property
     def threads_supported(self) -> bool:
@@ -98,12 +163,29 @@ class MPIBackend(Backend):
     def _comm(self, group: Any):
         return self.comm if group is None else group
 
-    def _typed(self, buf: Array) -> list:
-        a = buf if type(buf) is np.ndarray else (_host_numpy or _torch_host())(buf)
+    def _typed(self, buf: Array) -> tuple[list, str | None]:
+        """The mpi4py buffer spec of ``buf`` and, for float16/bfloat16, the half dtype name (else None)."""
+        if type(buf) is np.ndarray:
+            a = buf
+        else:
+            a = (_host_numpy or _torch_host())(buf)
+            if buf.dtype is _torch_bf16:
+                return self._half_spec(a, "bfloat16")
         dtype = self._types.get(a.dtype)
         if dtype is None:
-            raise BackendError(f"the MPI backend cannot reduce {a.dtype.name} directly")
-        return [a, a.size, dtype]
+            name = a.dtype.name
+            if name in HALF_DTYPES:
+                return self._half_spec(a, name)
+            raise BackendError(f"the MPI backend cannot reduce {name} directly")
+        return [a, a.size, dtype], None
+
+    def _half_spec(self, a: np.ndarray, name: str) -> tuple[list, str]:
+        if not self._half_ops:
+            raise BackendError(f"the MPI backend reduces {name} as float32 here (no user-defined MPI reduction)")
+        return [a.view(np.uint16), a.size, self._MPI.UINT16_T], name
+
+    def _op(self, op: ReduceOp, half: str | None) -> Any:
+        return self._ops[op] if half is None else self._half_ops[half][op]
 
     @staticmethod
     def _bytes(buf: Array) -> np.ndarray:
@@ -126,9 +208,9 @@ class MPIBackend(Backend):
 
     # data plane
     def allreduce_(self, buf: Array, op: ReduceOp, group: Any = None) -> None:
-        typed = self._typed(buf)
+        typed, half = self._typed(buf)
         if typed[1]:
-            self._comm(group).Allreduce(self._MPI.IN_PLACE, typed, op=self._ops[op])
+            self._comm(group).Allreduce(self._MPI.IN_PLACE, typed, op=self._op(op, half))
 
     def allgatherv(self, send: Array, recv: Array, counts: Sequence[int], group: Any = None) -> None:
         item = host_array(send).itemsize
@@ -164,10 +246,10 @@ class MPIBackend(Backend):
         self, send: Array, recv: Array, counts: Sequence[int], op: ReduceOp, group: Any = None
     ) -> None:
         comm = self._comm(group)
-        typed_send = self._typed(send)
+        typed_send, half = self._typed(send)
         if typed_send[1] == 0:
             return
-        comm.Reduce_scatter(typed_send, self._typed(recv), recvcounts=list(counts), op=self._ops[op])
+        comm.Reduce_scatter(typed_send, self._typed(recv)[0], recvcounts=list(counts), op=self._op(op, half))
 
     def new_group(self, ranks: Sequence[int], group_id: int) -> Any:
         if self.rank not in ranks:
@@ -183,6 +265,7 @@ class MPIBackend(Backend):
 
     def shutdown(self) -> None:
         try:
+            self._free_half_ops(self._half_ops)
             self.comm.Free()
         except Exception as e:  # pragma: no cover - best effort at teardown
             log.debug("freeing the MPI communicator failed: %s", e)
