@@ -6,8 +6,8 @@ Launch on 2 (or more) ranks with MPI as the engine::
 
 hora is initialised twice in the same processes: once with
 ``HORA_MPI_HALF_OPS=0`` (float16 and bfloat16 cast to float32, reduced with
-MPI's own sum, cast back: the behaviour before) and once with the default
-(16-bit words reduced by hora's user-defined MPI operator).  Each time it
+MPI's own sum, cast back: the behaviour before) and once with ``=1``
+(16-bit words reduced by hora's user-defined MPI operator, the default when a job spans hosts).  Each time it
 times ``hvd.allreduce`` (sum) of a ``--mib`` MiB float16 tensor, the same
 number of bfloat16 elements, and the same number of float32 elements (which
 the switch must not change).  The kernel's own cost (ns per element, one

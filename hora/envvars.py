@@ -116,7 +116,8 @@ HORA_STALL_CHECK_DISABLE = "HORA_STALL_CHECK_DISABLE"
 HORA_STALL_CHECK_TIME_SECONDS = "HORA_STALL_CHECK_TIME_SECONDS"
 HORA_STALL_SHUTDOWN_TIME_SECONDS = "HORA_STALL_SHUTDOWN_TIME_SECONDS"
 HORA_MPI_THREADS_DISABLE = "HORA_MPI_THREADS_DISABLE"
-#: 0 makes the MPI backend send float16/bfloat16 as float32 instead of 16-bit with its own reduction
+#: float16/bfloat16 on MPI's wire: 16-bit with hora's own reduction (1), as float32 (0), or 16-bit only when
+#: the job spans hosts (auto, the default)
 HORA_MPI_HALF_OPS = "HORA_MPI_HALF_OPS"
 HORA_OVERLAP = "HORA_OVERLAP"
 HORA_MALLOC_TUNING = "HORA_MALLOC_TUNING"

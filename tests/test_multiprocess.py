@@ -35,3 +35,19 @@ def test_training_with_and_without_overlap(run_job, controller, overlap):
     tail = (proc.stdout[-4000:] + proc.stderr[-4000:])
     assert proc.returncode == 0, tail
     assert sum(" passed" in line for line in proc.stdout.splitlines()) == 2, tail
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_float16_and_bfloat16_travel_16_bit_on_mpi_when_asked(run_job, np):
+    # On one host the default keeps the float32 upcast (shared memory); HORA_MPI_HALF_OPS=1 forces 16-bit words,
+    # as a job across hosts gets by default.
+    proc = run_job(np, [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-rs",
+                        "tests/parallel/test_half_wire.py"], mpi=True, timeout=300, env={"HORA_MPI_HALF_OPS": "1"})
+    tail = (proc.stdout[-4000:] + proc.stderr[-4000:])
+    assert proc.returncode == 0, tail
+    assert "skipped" not in proc.stdout, tail
+    check = ("import hora.torch as hvd; from hora.core import runtime; hvd.init(); "
+             "print('half on wire', runtime.current().engine._backend_for('cpu').half_on_wire)")
+    proc = run_job(2, [sys.executable, "-c", check], mpi=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("half on wire False") == 2, proc.stdout

@@ -16,6 +16,15 @@ def cpu_backend():
     return runtime.current().engine._backend_for("cpu")
 
 
+def require_half_wire():
+    backend = cpu_backend()
+    if backend.name != "mpi":
+        pytest.skip("MPI backend only")
+    if not backend.half_on_wire:
+        pytest.skip("16-bit MPI reductions are off: on one host by default (HORA_MPI_HALF_OPS=1 turns them on)")
+    return backend
+
+
 def stepwise_cases(dtype: torch.dtype, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-rank values (n x size) and the sum every pairwise order of rounding agrees on.
 
@@ -47,8 +56,7 @@ def stepwise_cases(dtype: torch.dtype, n: int) -> tuple[torch.Tensor, torch.Tens
 def test_sum_rounds_at_every_step(dtype, n):
     if hvd.size() not in (2, 3):
         pytest.skip("expected values are worked out for 2 and 3 ranks")
-    if cpu_backend().name != "mpi":
-        pytest.skip("the per-step rounding is the MPI backend's 16-bit reduction")
+    require_half_wire()
     values, want = stepwise_cases(dtype, n)
     out = hvd.allreduce(values[:, hvd.rank()].contiguous(), op=hvd.Sum, name=f"half.step.{dtype}.{n}")
     assert out.dtype == dtype
@@ -57,8 +65,7 @@ def test_sum_rounds_at_every_step(dtype, n):
 
 @pytest.mark.parametrize("dtype", HALVES)
 def test_max_min_product(dtype):
-    if cpu_backend().name != "mpi":
-        pytest.skip("MPI backend only")
+    require_half_wire()
     r = hvd.rank()
     t = torch.tensor([r + 0.5, -r - 0.25, 1.5, float("inf") if r == 1 else 1.0], dtype=dtype)
     n = hvd.size()
@@ -93,9 +100,7 @@ class _Recorder:
 @pytest.mark.parametrize("dtype", HALVES)
 @pytest.mark.parametrize("n", [1000, 300_000])
 def test_bytes_on_the_wire_are_16_bit(dtype, n):
-    backend = cpu_backend()
-    if backend.name != "mpi":
-        pytest.skip("MPI backend only")
+    backend = require_half_wire()
     name = str(dtype).removeprefix("torch.")
     assert compute_dtype(name, backend) == name  # no upcast planned
     recorder = _Recorder(backend.comm)
@@ -112,9 +117,7 @@ def test_bytes_on_the_wire_are_16_bit(dtype, n):
 
 
 def test_reducescatter_bfloat16():
-    backend = cpu_backend()
-    if backend.name != "mpi":
-        pytest.skip("MPI backend only")
+    require_half_wire()
     n = hvd.size()
     t = torch.arange(4 * n, dtype=torch.float32).to(torch.bfloat16) + hvd.rank()
     out = hvd.reducescatter(t, op=hvd.Sum, name="half.rs")
