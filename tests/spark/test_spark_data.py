@@ -102,22 +102,29 @@ def test_empty_partition_reads_as_no_batches(tmp_path):
     assert list(part.batches(4)) == [] and part.num_rows == 0
 
 
-def test_memory_stays_bounded_by_one_file_batch(tmp_path):
-    """50 MB of rows on file; reading them holds about one 1 MB file batch, not the partition."""
+
+def _peaks_while_reading(part) -> tuple[int, int, int]:
+    """Read every shuffled batch of ``part``: the rows, and the peaks of NumPy's and Arrow's memory meanwhile."""
     import tracemalloc
 
-    width, per_batch, count = 256, 1024, 50
-    one = _numbers(0, per_batch, width)
-    part = _write(tmp_path, [one] * count)
-    batch_bytes = per_batch * width * 4
     tracemalloc.start()
-    arrow_peak = 0
-    rows = 0
+    arrow_peak = rows = 0
     for batch in part.batches(batch_size=100, shuffle=True):
         rows += len(batch["id"])
         arrow_peak = max(arrow_peak, pa.total_allocated_bytes())
     _, numpy_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
+    return rows, numpy_peak, arrow_peak
+
+
+def test_memory_stays_bounded_by_one_file_batch(tmp_path):
+    """50 MB of rows on file; reading them holds about one 1 MB file batch, not the partition."""
+
+    width, per_batch, count = 256, 1024, 50
+    one = _numbers(0, per_batch, width)
+    part = _write(tmp_path, [one] * count)
+    batch_bytes = per_batch * width * 4
+    rows, numpy_peak, arrow_peak = _peaks_while_reading(part)
     assert rows == per_batch * count
     assert numpy_peak < 4 * batch_bytes, numpy_peak
     assert arrow_peak < 4 * batch_bytes, arrow_peak
@@ -216,7 +223,6 @@ def test_the_rank_finds_its_file_share_in_its_environment(tmp_path, monkeypatch)
 
 def test_file_share_memory_stays_bounded_by_one_row_group(tmp_path):
     """50 MB of rows in Parquet row groups of 1 MB; reading them holds a few row groups, not the share."""
-    import tracemalloc
 
     import pyarrow.parquet as pq
 
@@ -229,13 +235,7 @@ def test_file_share_memory_stays_bounded_by_one_row_group(tmp_path):
     del table
     group_bytes = group_rows * width * 4
     share = FileShare([(path, group_rows * count)], ["id", "x", "flag"], [group_rows * count], 0)
-    tracemalloc.start()
-    arrow_peak = rows = 0
-    for batch in share.batches(batch_size=100, shuffle=True):
-        rows += len(batch["id"])
-        arrow_peak = max(arrow_peak, pa.total_allocated_bytes())
-    _, numpy_peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
+    rows, numpy_peak, arrow_peak = _peaks_while_reading(share)
     assert rows == group_rows * count
     assert numpy_peak < 4 * group_bytes, numpy_peak
     assert arrow_peak < 4 * group_bytes, arrow_peak
