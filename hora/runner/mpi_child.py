@@ -20,7 +20,6 @@ dies first.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -33,26 +32,11 @@ from typing import BinaryIO
 
 from hora import envvars
 from hora.runner.agent import default_gloo_interface
-from hora.runner.launchers.base import exit_status, signal_group
+from hora.runner.launchers.base import exit_status, parent_death_signal, signal_group
 from hora.runner.output import prefix
 
 MARKER = b"__hora_rank_exit__ "
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-_PR_SET_PDEATHSIG = 1
-
-
-def _libc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-
-
-def _set_parent_death_signal(libc: ctypes.CDLL | None, signum: int) -> None:
-    if libc is not None:
-        libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
 
 
 def rank_from_env(env: dict[str, str] | os._Environ) -> int:
@@ -102,8 +86,10 @@ def _relay(source: BinaryIO, target: BinaryIO, line_prefix: bytes) -> threading.
 
 def run_child(command: Sequence[str], rank: int) -> int:
     """Run ``command`` as this rank's child, relay its output, return our exit status."""
-    libc = _libc()
-    _set_parent_death_signal(libc, signal.SIGTERM)
+    arm_term = parent_death_signal(signal.SIGTERM)
+    if arm_term is not None:
+        arm_term()
+    arm_kill = parent_death_signal(signal.SIGKILL)
     stopped: list[int] = []
     proc: subprocess.Popen | None = None
 
@@ -120,7 +106,8 @@ def run_child(command: Sequence[str], rank: int) -> int:
 
     def child_setup() -> None:  # runs in the forked child before exec
         os.setpgid(0, 0)
-        _set_parent_death_signal(libc, signal.SIGKILL)
+        if arm_kill is not None:
+            arm_kill()
 
     err = sys.stderr.buffer
     env = dict(os.environ)

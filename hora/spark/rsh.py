@@ -20,7 +20,6 @@ when the agent's connection drops, the task kills what it started.
 
 from __future__ import annotations
 
-import ctypes
 import hmac
 import json
 import logging
@@ -32,6 +31,7 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 
+from hora.runner.launchers.base import parent_death_signal, signal_group
 from hora.runner.output import pump
 from hora.spark.channel import Listener, recv_message, send_message
 
@@ -44,7 +44,6 @@ CONNECT_TIMEOUT_S = 20.0
 UNREACHABLE = 255
 #: Seconds a started command gets between SIGTERM and SIGKILL when its agent went away or the task stops.
 KILL_GRACE_S = 2.0
-_PR_SET_PDEATHSIG = 1
 
 
 def write_agents_file(path: str, token: str, ports: Mapping[str, tuple[str, int]]) -> None:
@@ -138,22 +137,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_remote(str(target[0]), int(target[1]), str(agents["token"]), command, host)
 
 
-def die_with_parent() -> None:
-    """In a child before exec: get SIGKILL when the thread that started it ends (Spark kills a task's
-    Python worker on cancel, and a task's rank, mpirun or Open MPI daemon must not outlive it)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass  # not Linux: the child outlives a killed worker, but still ends when its peers fail
+#: ``preexec_fn`` for a task's children (its rank, mpirun, an Open MPI daemon): SIGKILL when the thread that
+#: started them ends, since Spark kills a task's Python worker on cancel and they must not outlive it.
+#: None off Linux: the child then outlives a killed worker, but still ends when its peers fail.
+die_with_parent = parent_death_signal(signal.SIGKILL)
 
 
 def _kill_group(process: subprocess.Popen, grace: float = KILL_GRACE_S) -> None:
     """SIGTERM the command's process group, SIGKILL it after ``grace`` seconds; wait for the command."""
     for signum, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
-        try:
-            os.killpg(process.pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
+        signal_group(process.pid, signum)
         try:
             process.wait(timeout=wait)
             return

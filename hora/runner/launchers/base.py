@@ -10,18 +10,21 @@ parameter servers, one scheduler and the servers, each named by its key
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from hora import envvars
 from hora.placement import Placement
 from hora.runner.keys import SERVER, WORKER, Key, process_key, process_name
+
+_PR_SET_PDEATHSIG = 1  # prctl's option number (linux/prctl.h)
 
 if TYPE_CHECKING:
     from hora.runner.output import OutputSink
@@ -115,6 +118,25 @@ def new_group_kwargs() -> dict[str, object]:
     if sys.version_info >= (3, 11):
         return {"process_group": 0}
     return {"start_new_session": True}
+
+
+def parent_death_signal(signum: int) -> Callable[[], None] | None:
+    """A function that asks the kernel to send ``signum`` to the calling process when the thread that started
+    it ends (Linux's ``PR_SET_PDEATHSIG``), so that a rank or daemon cannot outlive what launched it; call it in
+    the process itself, or pass it as ``preexec_fn`` to run it in a child before exec.  None where Linux's
+    prctl is not available.  The C library is loaded here, in the parent, not in the forked child.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+    def arm() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+
+    return arm
 
 
 def signal_group(pgid: int, signum: int) -> bool:
