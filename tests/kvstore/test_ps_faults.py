@@ -93,6 +93,45 @@ def test_encryption_mismatch_between_roles_is_a_clear_error(tmp_path):
         assert "HORA_PS_ENCRYPT" in message, message
 
 
+def test_a_connection_libzmq_gave_up_is_an_error_not_a_blocked_send():
+    """After a mechanism mismatch libzmq drops its only connection a moment after the monitor reports it;
+    a node that sends after that (a loaded machine: the next REGISTER came before the report was read)
+    must raise the handshake's error, not block forever on a DEALER with no peer."""
+    import zmq
+
+    from hora.config import PSConfig
+    from hora.errors import AuthError
+    from hora.kvstore.ps import secure
+    from hora.kvstore.ps.link import SchedulerLink
+
+    ctx = zmq.Context()
+    try:
+        listener = ctx.socket(zmq.ROUTER)
+        secure.secure_listener(listener, secure.credentials(b"k", False))
+        secure.Authenticator(ctx, secure.credentials(b"k", False), "test", listener)
+        port = listener.bind_to_random_port("tcp://127.0.0.1")
+        config = PSConfig.from_env({}, root_port=port, num_workers=1, num_servers=1, encrypt=True,
+                                   start_timeout_s=60.0)
+        link = SchedulerLink(ctx, config, b"k", "worker")
+        link.sock.send(b"first")  # goes into the pipe libzmq is about to drop
+        deadline = time.monotonic() + 10
+        while True:  # wait until libzmq has dropped the pipe, without reading the monitor
+            try:
+                link.sock.send(b"probe", zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            assert time.monotonic() < deadline, "libzmq kept the connection of a failed handshake"
+            time.sleep(0.05)
+        started = time.monotonic()
+        with pytest.raises(AuthError, match="HORA_PS_ENCRYPT=1"):
+            link.register()
+        assert time.monotonic() - started < 5
+        link.close()
+        listener.close(linger=0)
+    finally:
+        ctx.term()
+
+
 def test_roles_that_start_further_apart_than_the_timeout_still_join(tmp_path):
     """A registered server heartbeats while it waits for the workers: a worker that starts after more than
     HORA_PS_TIMEOUT (a slow torch import on a busy host) still finds the job alive."""

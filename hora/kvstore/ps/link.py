@@ -61,7 +61,19 @@ class SchedulerLink:
 
     def send(self, header: dict[str, Any], arrays: tuple = ()) -> None:
         """Sign and send a message to the scheduler."""
-        send(self.sock, wire.encode({"s": self.id, "d": SCHEDULER_ID, **header}, arrays, self.key))
+        self._send(wire.encode({"s": self.id, "d": SCHEDULER_ID, **header}, arrays, self.key))
+
+    def _send(self, frames: list) -> None:
+        """Send without ever blocking: a DEALER whose only connection libzmq dropped for good would wait
+        forever for a peer.  libzmq drops it after a handshake that failed on a protocol error (the
+        scheduler runs another security mechanism), a moment after the monitor reports the failure."""
+        try:
+            send(self.sock, frames, block=False)
+        except zmq.Again:
+            self._check_handshake(wait_ms=2000)
+            raise PSError(f"this {self.role} lost its connection to the scheduler at {self.endpoint} for good "
+                          "(libzmq gave it up, as it does when the handshake fails): check that every role of "
+                          "the job has the same HORA_SECRET and the same HORA_PS_ENCRYPT") from None
 
     def register(self) -> Message:
         """Join the job and return the scheduler's WELCOME.
@@ -92,7 +104,7 @@ class SchedulerLink:
                     + "; raise HORA_PS_START_TIMEOUT if roles start slowly"
                 )
             if not heard and now >= next_register:
-                send(self.sock, wire.encode(self._register, (), self.key))
+                self._send(wire.encode(self._register, (), self.key))
                 next_register = now + max(1.0, 2 * (cfg.heartbeat_s or 1.0))
             elif heard and now - self._last_beat >= cfg.heartbeat_s:  # registered: stay alive while others join
                 self._last_beat = now
@@ -107,9 +119,10 @@ class SchedulerLink:
                     if msg.cmd is Cmd.NODE_LOST:
                         raise lost_error(msg)
 
-    def _check_handshake(self) -> None:
-        """Raise when the scheduler refused our ZeroMQ handshake (libzmq would retry it forever, silently)."""
-        if self._monitor is None or not self._monitor.poll(0):
+    def _check_handshake(self, wait_ms: int = 0) -> None:
+        """Raise when the scheduler refused our ZeroMQ handshake (libzmq retries some refusals forever,
+        silently, and gives others up without a word); wait up to ``wait_ms`` for the monitor's report."""
+        if self._monitor is None or not self._monitor.poll(wait_ms):
             return
         event = zmq.utils.monitor.recv_monitor_message(self._monitor)["event"]
         how = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "our credentials were refused",

@@ -126,11 +126,17 @@ def random_identity(role: str) -> bytes:
     return f"{role[:1]}-".encode() + os.urandom(8).hex().encode()
 
 
-def send(sock: zmq.Socket, frames: Sequence[Any], route: bytes | None = None) -> None:
-    """Send a message (zero-copy for large payloads), prefixed with a ROUTER route when given."""
+def send(sock: zmq.Socket, frames: Sequence[Any], route: bytes | None = None, *, block: bool = True) -> None:
+    """Send a message (zero-copy for large payloads), prefixed with a ROUTER route when given.
+
+    With ``block=False`` a socket that has no pipe to any peer raises :class:`zmq.Again` instead of
+    waiting for one.  The send limit is off, so that only happens when libzmq gave the connection up for
+    good, as it does after a handshake fails on a protocol error (a mechanism mismatch).
+    """
     parts = [route, *frames] if route is not None else list(frames)
     try:
-        sock.send_multipart([p if isinstance(p, (bytes, zmq.Frame)) else bytes_view(p) for p in parts], copy=False)
+        sock.send_multipart([p if isinstance(p, (bytes, zmq.Frame)) else bytes_view(p) for p in parts],
+                            0 if block else zmq.NOBLOCK, copy=False)
     except zmq.ZMQError as e:
         if e.errno == zmq.EHOSTUNREACH:  # the peer disconnected; it will resend or is being declared dead
             log.debug("dropping a message to a disconnected peer %r", route)
