@@ -117,6 +117,28 @@ def test_adam_matches_mxnet_rule(clip):
     np.testing.assert_allclose(states["var"], ref_v, rtol=1e-5, atol=1e-9)
 
 
+def test_adam_without_rescale_gives_the_kernels_bits_for_special_values():
+    """With rescale_grad 1 the update skips the gradient's ``* 1`` pass: the bits stay the float32 kernel's
+    (``g = grad * 1 + w * wd`` ...), NaN, infinities, signed zeros and subnormals in the gradient included."""
+    specials = np.array([-0.0, 0.0, np.nan, np.inf, -np.inf, 1e-45, -1e-45, 3.0, -2.5], f32)
+    w0 = np.tile(np.array([0.0, -0.0, 1.5, -1.0], f32), 9)
+    grads = [np.repeat(specials, 4), np.resize(specials[::-1], 36)]
+    upd = kvopt.Updater(kvopt.Adam(learning_rate=0.01, wd=0.01))
+    w = w0.copy()
+    ref_w, m, v = w0.copy(), np.zeros_like(w0), np.zeros_like(w0)
+    b1, b2, eps, decay = f32(0.9), f32(0.999), f32(1e-8), f32(0.01)
+    with np.errstate(all="ignore"):
+        for t, g in enumerate(grads, start=1):
+            upd("k", g, w)
+            lr = f32(0.01 * math.sqrt(1.0 - 0.999 ** t) / (1.0 - 0.9 ** t))
+            gr = g * f32(1) + ref_w * decay
+            m = m * b1 + gr * (f32(1) - b1)
+            v = v * b2 + (gr * (f32(1) - b2)) * gr
+            ref_w = ref_w - (m * lr) / (np.sqrt(v) + eps)
+    np.testing.assert_array_equal(w.view(np.uint32), ref_w.view(np.uint32))
+    np.testing.assert_array_equal(upd.key_states("k")["mean"].view(np.uint32), m.view(np.uint32))
+
+
 def test_adam_close_to_torch_adam():
     """Only epsilon's placement differs from torch (inside vs outside the bias correction)."""
     grads = _grads(7, 10, seed=6)
@@ -497,3 +519,57 @@ def test_sum_sq_is_the_sequential_float32_sum_of_squares(dtype):
     x = np.random.default_rng(3).standard_normal(200003).astype(dtype)
     squares = (x * x).astype(f32)  # a float16 square rounds to float16 first, as the kernel's
     assert sum_sq(x).tobytes() == np.cumsum(squares)[-1].tobytes()
+
+
+# ------------------------------------------------------------------- blockwise with an in-order reader
+def _many_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hora.kvstore.optimizer import base
+
+    monkeypatch.setattr(base, "BLOCK", 1000)
+    monkeypatch.setattr(base, "PARALLEL_BLOCKS", 1)
+    monkeypatch.setattr(base, "_THREADS", 3)
+
+
+def test_blockwise_reader_sees_each_stretch_final_and_in_order(monkeypatch):
+    """``follow`` reads the output in order while the threads write it: every stretch it is handed is final."""
+    from hora.kvstore.optimizer import base
+
+    _many_runs(monkeypatch)
+    x = np.arange(10_500, dtype=f32)
+    out = np.full_like(x, -1)
+
+    def rule(a: np.ndarray, o: np.ndarray) -> None:
+        o[...] = a * 2
+
+    def reader(ready):
+        seen, pos = [], 0
+        while pos < out.size:
+            end = ready(pos)
+            assert end > pos
+            seen.append(out[pos:end].copy())  # read now: must already hold the rule's values
+            pos = end
+        return np.concatenate(seen)
+
+    np.testing.assert_array_equal(base.blockwise(rule, x, out, follow=reader), x * 2)
+
+
+@pytest.mark.timeout(30)
+def test_blockwise_reader_gets_a_runs_error_instead_of_waiting(monkeypatch):
+    """A rule that fails in one run does not leave the reader waiting for its blocks: the run's own error
+    reaches the caller."""
+    from hora.kvstore.optimizer import base
+
+    _many_runs(monkeypatch)
+    x = np.arange(9_000, dtype=f32)
+
+    def rule(a: np.ndarray) -> None:
+        if a[0] >= 4_000:
+            raise ValueError("bad block")
+
+    def reader(ready):
+        pos = 0
+        while pos < x.size:
+            pos = ready(pos)
+
+    with pytest.raises(ValueError, match="bad block"):
+        base.blockwise(rule, x, follow=reader)
