@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -94,8 +93,7 @@ def sign(x: np.ndarray) -> np.ndarray:
 
 
 def blockwise(fn: Callable[..., None], *arrays: np.ndarray | None, scratch: int | Sequence[Any] = 0,
-              scratch_dtype: Any = None, parallel: bool = True,
-              follow: Callable[[Callable[[int], int]], Any] | None = None) -> Any:
+              scratch_dtype: Any = None, parallel: bool = True) -> None:
     """Run the element-wise rule ``fn(*blocks, *scratch_blocks)`` over the flat arrays, block by block.
 
     ``None`` entries pass through as ``None``.  Each block of every array is
@@ -109,78 +107,27 @@ def blockwise(fn: Callable[..., None], *arrays: np.ndarray | None, scratch: int 
     GIL): the result does not depend on it, since every element is updated
     alone.  A rule whose blocks must come in order (a running sum) passes
     ``parallel=False``.
-
-    ``follow``, when given, runs on the calling thread while the threads
-    update the blocks, and its result is returned: it is handed
-    ``ready(pos)``, which waits until element ``pos`` is updated and returns
-    the end of the updated stretch that holds it, so that it can read the
-    results in order as they are made (LAMB's norm of its direction).
     """
     flat = [None if a is None else a.reshape(-1) for a in arrays]
     first = next(a for a in flat if a is not None)
     n = first.size
     block = max(1, min(n, BLOCK))
     dtypes = [scratch_dtype or first.dtype] * scratch if isinstance(scratch, int) else list(scratch)
-    runs = min(_THREADS, n // (PARALLEL_BLOCKS * block)) if parallel else 1
-    per = -(-n // max(1, runs) // block) * block if runs > 1 else n  # whole blocks per run
-    progress = _Progress(range(0, n, per) if runs > 1 else [0])
 
     def run(lo: int, hi: int) -> None:
-        try:
-            bufs = [np.empty(min(block, hi - lo), dt) for dt in dtypes]
-            for start in range(lo, hi, block):
-                end = min(hi, start + block)
-                fn(*[None if a is None else a[start:end] for a in flat], *[b[:end - start] for b in bufs])
-                if follow is not None:
-                    progress.advance(lo, end)
-        except BaseException:
-            progress.fail(lo)
-            raise
+        bufs = [np.empty(min(block, hi - lo), dt) for dt in dtypes]
+        for start in range(lo, hi, block):
+            end = min(hi, start + block)
+            fn(*[None if a is None else a[start:end] for a in flat], *[b[:end - start] for b in bufs])
 
+    runs = min(_THREADS, n // (PARALLEL_BLOCKS * block)) if parallel else 1
     if runs <= 1:
         run(0, n)
-        return None if follow is None else follow(progress.ready)
+        return
+    per = -(-n // runs // block) * block  # whole blocks per run
     futures = [math_pool().submit(run, lo, min(n, lo + per)) for lo in range(0, n, per)]
-    try:
-        return None if follow is None else follow(progress.ready)
-    finally:
-        for f in futures:
-            f.result()
-
-
-class _Progress:
-    """How far each run of a :func:`blockwise` pass has got (each run updates its blocks in order)."""
-
-    __slots__ = ("_cond", "_done", "_failed")
-
-    def __init__(self, starts: Sequence[int] | range) -> None:
-        self._cond = threading.Condition()
-        self._done = {lo: lo for lo in starts}  # run start -> end of its updated elements
-        self._failed = False
-
-    def advance(self, lo: int, end: int) -> None:
-        with self._cond:
-            self._done[lo] = end
-            self._cond.notify_all()
-
-    def fail(self, lo: int) -> None:
-        with self._cond:
-            self._failed = True
-            self._cond.notify_all()
-
-    def ready(self, pos: int) -> int:
-        """Wait until element ``pos`` is updated; the end of the updated stretch of its run.
-
-        Raises:
-            RuntimeError: a run failed (its own error reaches the caller of :func:`blockwise`).
-        """
-        lo = max(s for s in self._done if s <= pos)
-        with self._cond:
-            while self._done[lo] <= pos:
-                if self._failed:
-                    raise RuntimeError("a blockwise run failed")
-                self._cond.wait()
-            return self._done[lo]
+    for f in futures:
+        f.result()
 
 
 PARALLEL_BLOCKS = 8  # an array of fewer blocks than this per thread is updated by the calling thread alone

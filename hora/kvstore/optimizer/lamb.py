@@ -10,24 +10,20 @@ sequential float32 sums of squares (``multi_sum_sq``, of the weight as
 stored: float16 under ``multi_precision``), then ``w -= lr * (r1 / r2) * g``
 on the float32 master copy when there is one.  A key split across servers is
 one array per server there, as here, so each server's shard takes its own
-norms.  The two ordered sums are sequential by nature; they run on the
-calling thread while other threads compute the direction, the second one
-following the direction's blocks as they are written, so that no phase of
-the update leaves a core idle for a whole ordered sum.
+norms.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from hora.kvstore.arrays import math_pool
 from hora.kvstore.lr_scheduler import _number
 from hora.kvstore.optimizer.base import (
     Array,
     Optimizer,
-    SumSq,
     blockwise,
     check_bool,
     clip_kernel,
@@ -87,6 +83,9 @@ class LAMB(Optimizer):
         if spare is None or spare.size < weight.size:
             spare = np.empty(weight.size, f)
         g_out = spare[:weight.size].reshape(weight.shape)
+        # multi_sum_sq of the weight as stored (float16 under multi_precision), an ordered sum: on its own
+        # thread while the element-wise phase runs (it only reads the weight)
+        w_ss = math_pool().submit(sum_sq, weight)
 
         def step1(w: np.ndarray, gr: np.ndarray, m: np.ndarray, v: np.ndarray, out: np.ndarray, r: np.ndarray,
                   t: np.ndarray, d: np.ndarray, q: np.ndarray) -> None:
@@ -112,21 +111,8 @@ class LAMB(Optimizer):
             d += t
             np.copyto(out, d, casting="same_kind")
 
-        def norms(ready: Callable[[int], int]) -> tuple[np.float32, np.float32]:
-            # multi_sum_sq of the weight as stored (float16 under multi_precision; step1 only reads it), then of
-            # the direction, each an ordered sum: this thread adds each stretch of the direction as soon as
-            # step1's threads have written it, so the sums mostly run while step1 does
-            w_ss = sum_sq(weight)
-            g_flat, acc, pos = g_out.reshape(-1), SumSq(), 0
-            while pos < g_flat.size:
-                end = ready(pos)
-                blockwise(acc.add, g_flat[pos:end], scratch=3, scratch_dtype=f, parallel=False)
-                pos = end
-            return w_ss, acc.total
-
-        w_ss, g_ss = blockwise(step1, w32, grad, state["mean"], state["var"], g_out,
-                               scratch=(f, f, np.float64, np.float64), follow=norms)
-        r1, r2 = f(np.sqrt(w_ss)), f(np.sqrt(g_ss))
+        blockwise(step1, w32, grad, state["mean"], state["var"], g_out, scratch=(f, f, np.float64, np.float64))
+        r1, r2 = f(np.sqrt(w_ss.result())), f(np.sqrt(sum_sq(g_out)))
         if self.lower_bound and self.lower_bound >= 0:  # passed when truthy, applied when >= 0
             r1 = max(r1, f(self.lower_bound))
         if self.upper_bound and self.upper_bound >= 0:
