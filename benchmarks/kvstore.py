@@ -18,7 +18,11 @@ dist_sync job per server optimizer (issue 30: the servers' update of each push
 is part of the push+pull), ``--repeat`` interleaved rounds, each over the
 first optimizer's time; MXNet's own ``dist_sync`` with the same optimizer set
 by ``kv.set_optimizer`` runs before each hora job (``--no-mxnet`` skips it),
-and a second table gives hora over MXNet per optimizer.
+and a second table gives hora over MXNet per optimizer.  A last table times
+each optimizer's update of a key of each size alone, in this process: its
+CPU time over all threads (which load from other processes barely moves) and
+its wall time.  Where every role shares the host's cores, a step's extra time
+over the first optimizer follows the extra CPU time divided among the cores.
 
 ``--sparse`` instead runs the row_sparse embedding benchmark of issue 30
 (:mod:`benchmarks.kvstore_sparse`: 1,000,000 x 64 float32, 10,000 rows
@@ -228,6 +232,39 @@ def transport_table(rows: list[dict[str, Any]], label: str = "transport") -> str
     return markdown_table(["size", "servers", label, "push+pull (median)", "each round", f"over {names[0]}"], body)
 
 
+def update_table(args: argparse.Namespace) -> str:
+    """Each of ``args.optimizer_list`` updating one float32 key of each size in this process, as a server's
+    updater does (after one untimed update): median CPU time (all threads) and wall time over ``args.iters``
+    updates, and the CPU time over the first optimizer's."""
+    import time
+
+    import numpy as np
+
+    from hora.kvstore.optimizer import create, create_updater
+
+    out = []
+    for nbytes in args.size_list:
+        rng = np.random.default_rng(0)
+        grad = rng.standard_normal(nbytes // 4, dtype=np.float32)
+        first = None
+        for name in args.optimizer_list:
+            base, momentum = name.removesuffix("+momentum"), name.endswith("+momentum")
+            updater = create_updater(create(base, **({"momentum": 0.9} if momentum else {})))
+            weight = rng.standard_normal(grad.size, dtype=np.float32)
+            updater("k", grad, weight)
+            cpu, wall = [], []
+            for _ in range(args.iters):
+                c, t = time.process_time(), time.perf_counter()
+                updater("k", grad, weight)
+                cpu.append(time.process_time() - c)
+                wall.append(time.perf_counter() - t)
+            c_med, w_med = float(np.median(cpu)), float(np.median(wall))
+            first = c_med if first is None else first
+            out.append([fmt_bytes(nbytes), name, fmt_seconds(c_med), fmt_seconds(w_med), fmt_ratio(c_med / first)])
+    return markdown_table(["size", "server optimizer", "update CPU (median)", "update wall (median)",
+                           "CPU over first"], out)
+
+
 def optimizer_table(rows: list[dict[str, Any]]) -> str:
     """Per (size, servers, optimizer): MXNet's and hora's medians over rounds, hora over MXNet, and each over
     its own first optimizer's time."""
@@ -269,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         if python is not None:
             print()
             print(optimizer_table(rows))
+        print(f"\nEach optimizer's update alone, in this process ({os.cpu_count()} cores)\n")
+        print(update_table(args))
         if args.json is not None:
             write_json({"benchmark": "kvstore-optimizers", "machine": machine(), "model": model_doc(model),
                         "rows": rows}, str(args.json))
