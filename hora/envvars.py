@@ -195,6 +195,8 @@ HORA_PS_SHM_MIN_BYTES = "HORA_PS_SHM_MIN_BYTES"
 HORA_PS_ENCRYPT = "HORA_PS_ENCRYPT"
 HORA_PS_MAX_FRAME_BYTES = "HORA_PS_MAX_FRAME_BYTES"
 HORA_PS_OPTIMIZER_MODULES = "HORA_PS_OPTIMIZER_MODULES"
+#: ``0`` turns off the fused C loops of the server optimizers (hora/kvstore/optimizer/fused.py)
+HORA_PS_FUSED = "HORA_PS_FUSED"
 
 #: hora.spark: the directory of a rank's spilled ``df=`` partition (set by its Spark task), and the
 #: JSON manifest of row ranges when the ranks read a plain Parquet scan's files themselves.

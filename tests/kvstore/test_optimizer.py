@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
 import sys
 
@@ -520,3 +521,96 @@ def test_sum_sq_is_the_sequential_float32_sum_of_squares(dtype):
     squares = (x * x).astype(f32)  # a float16 square rounds to float16 first, as the kernel's
     assert sum_sq(x).tobytes() == np.cumsum(squares)[-1].tobytes()
 
+
+
+# ------------------------------------------------------------------------------ fused C loops
+def _fused_adam_or_skip():
+    from hora.kvstore.optimizer import adaptive
+
+    loop = adaptive._adam_loop()
+    if loop is None:
+        pytest.skip("no C compiler here: the NumPy rules run (the fused loops are optional)")
+    return adaptive, loop
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"wd": 0.01, "rescale_grad": 0.5}, {"clip_gradient": 0.3, "wd": 0.001}],
+                         ids=["defaults", "wd+rescale", "clip"])
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN and overflow on purpose, on the math threads too
+def test_fused_adam_gives_the_numpy_rules_bits(kwargs, monkeypatch):
+    """The compiled Adam loop, on blocks split over threads, gives the NumPy rule's bits: weights and both
+    moments, over several steps, NaN, infinities, signed zeros and subnormals included."""
+    from hora.kvstore.optimizer import base
+
+    _fused_adam_or_skip()
+    monkeypatch.setattr(base, "PARALLEL_BLOCKS", 1)
+    monkeypatch.setattr(base, "_THREADS", 3)
+    rng = np.random.default_rng(11)
+    n = 3 * base.BLOCK + 17
+    w0 = (rng.standard_normal(n) * 2).astype(f32)
+    grads = [(rng.standard_normal(n) * 10.0 ** rng.uniform(-8, 2, n)).astype(f32) for _ in range(3)]
+    special = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 1e-45, -1e-45, 3e38], f32)
+    w0[:8], grads[1][-8:] = special, special
+
+    def run(fused: str):
+        monkeypatch.setenv("HORA_PS_FUSED", fused)
+        upd = kvopt.Updater(kvopt.Adam(learning_rate=0.01, **kwargs))
+        w = w0.copy()
+        with np.errstate(all="ignore"):
+            for g in grads:
+                upd("k", g, w)
+        states = upd.key_states("k")
+        return [a.view(np.uint32) for a in (w, states["mean"], states["var"])]
+
+    for fused, plain in zip(run("1"), run("0"), strict=True):
+        np.testing.assert_array_equal(fused, plain)
+
+
+def test_fused_adam_is_what_a_float32_key_runs_and_hora_ps_fused_0_turns_it_off(monkeypatch):
+    """A contiguous float32 key goes through the C loop; ``HORA_PS_FUSED=0``, float16 and a strided key
+    through the NumPy rule."""
+    adaptive, _ = _fused_adam_or_skip()
+    calls = []
+    real = adaptive._adam_fused
+    monkeypatch.setattr(adaptive, "_adam_fused", lambda *a: (calls.append(a[1].dtype), real(*a)))
+    upd = kvopt.Updater(kvopt.Adam())
+    upd("k", np.ones(10, f32), np.ones(10, f32))
+    assert calls == [np.float32]
+    upd("h", np.ones(10, np.float16), np.ones(10, np.float16))
+    strided = np.ones(20, f32)[::2]
+    upd("s", np.ones(10, f32), strided)
+    monkeypatch.setenv("HORA_PS_FUSED", "0")
+    upd("k", np.ones(10, f32), np.ones(10, f32))
+    assert calls == [np.float32]
+
+
+def test_fused_loops_fall_back_to_numpy_without_a_compiler(monkeypatch, tmp_path):
+    """No compiler (or a failed build): no fused loop, no error; the NumPy rule updates the key."""
+    from hora.kvstore.optimizer import adaptive, fused
+
+    monkeypatch.setattr(fused, "_loaded", {})
+    monkeypatch.setattr(adaptive, "_probed", {})
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert fused.function("hora_adam_f32") is None
+    assert adaptive._adam_loop() is None
+    w = np.ones(10, f32)
+    kvopt.Updater(kvopt.Adam(learning_rate=0.1))("k", np.ones(10, f32), w)
+    assert np.all(w < 1)
+
+
+def test_fused_loop_that_breaks_the_bits_is_refused(monkeypatch):
+    """A loop that does not give the NumPy rule's bits on the probe (a compiler that contracts to fused
+    multiply-adds, say) is not used."""
+    from hora.kvstore.optimizer import adaptive
+
+    _, loop = _fused_adam_or_skip()
+    monkeypatch.setattr(adaptive, "_probed", {})
+
+    def off_by_a_bit(w, *args):
+        loop(w, *args)
+        n = args[3]
+        arr = np.ctypeslib.as_array((ctypes.c_float * n).from_address(w))
+        arr[n // 2] = np.nextafter(arr[n // 2], np.inf)
+
+    monkeypatch.setattr(adaptive._fused, "function", lambda name: off_by_a_bit)
+    assert adaptive._adam_loop() is None

@@ -9,7 +9,9 @@ are computed here in Python doubles too, and rounded where MXNet rounds them.
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +20,7 @@ import numpy as np
 from hora.errors import ConfigError
 from hora.kvstore.arrays import is_numpy as _is_numpy
 from hora.kvstore.lr_scheduler import LRScheduler, _number
+from hora.kvstore.optimizer import fused as _fused
 from hora.kvstore.optimizer.base import (
     Array,
     Optimizer,
@@ -36,6 +39,8 @@ from hora.kvstore.optimizer.base import (
     zeros_like,
 )
 
+log = logging.getLogger(__name__)
+
 
 def _sqrt(x: Array) -> Array:
     return np.sqrt(x) if _is_numpy(x) else x.sqrt()
@@ -47,7 +52,8 @@ class Adam(Optimizer):
     ``g = clip(rescale_grad * grad + wd * w)``; ``mean = beta1 * mean + (1 - beta1) * g``;
     ``var = beta2 * var + (1 - beta2) * g * g``; ``w -= lr_t * mean / (sqrt(var) + epsilon)`` with
     ``lr_t = lr * sqrt(1 - beta2**t) / (1 - beta1**t)``, ``t`` being the key's own update count.  This
-    rule also updates torch tensors in place.
+    rule also updates torch tensors in place.  Contiguous float32 NumPy keys go through the C loop of
+    :mod:`.fused` when it is there and gives this rule's bits, else through the NumPy rule.
     """
 
     type_name = "adam"
@@ -81,47 +87,116 @@ class Adam(Optimizer):
         b1, b1c, b2, b2c = product(dt, self.beta1), one_minus(dt, self.beta1), product(dt, self.beta2), one_minus(
             dt, self.beta2)
         s_lr, eps = product(dt, lr), product(dt, self.epsilon)
-        numpy = _is_numpy(weight) and _is_numpy(grad)
-        # NumPy scalars keep NumPy's arithmetic in the dtype; torch takes Python numbers (already rounded).
-        scalars = [dt.type(v) if numpy else v for v in (rescale, decay, b1, b1c, b2, b2c, s_lr, eps)]
-        rescale_, decay_, b1_, b1c_, b2_, b2c_, lr_, eps_ = scalars
-        bound_ = None if bound is None else (dt.type(bound) if numpy else bound)
-
-        def rule(w: Array, gr: Array, m: Array, v: Array) -> None:  # torch tensors, whole
-            g = gr * rescale_
-            g += w * decay_
-            if bound_ is not None:
-                g = g.clamp_(-bound_, bound_)
-            m *= b1_
-            m += g * b1c_
-            v *= b2_
-            g2 = g * b2c_
-            g2 *= g
-            v += g2
-            step = m * lr_
-            den = _sqrt(v)
-            den += eps_
-            step /= den
-            w -= step
-
-        def fused(w: np.ndarray, gr: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, t: np.ndarray
-                  ) -> None:  # the same operations, into two scratch blocks
-            np.multiply(gr, rescale_, out=g)
-            np.multiply(w, decay_, out=t)
-            g += t
-            if bound_ is not None:
-                clip_kernel(g, bound_)
-            moments(g, m, v, b1_, b1c_, b2_, b2c_, t)
-            np.multiply(m, lr_, out=g)
-            np.sqrt(v, out=t)
-            t += eps_
-            g /= t
-            w -= g
-
-        if not numpy:
-            rule(weight, grad, state["mean"], state["var"])
+        scalars = (rescale, decay, bound, b1, b1c, b2, b2c, s_lr, eps)
+        arrays = (weight, grad, state["mean"], state["var"])
+        if not (_is_numpy(weight) and _is_numpy(grad)):
+            _adam_torch(*arrays, scalars)
             return
-        blockwise(fused, weight, grad, state["mean"], state["var"], scratch=2)
+        loop = _adam_loop() if dt == np.float32 else None
+        if loop is not None and all(a.flags.c_contiguous for a in arrays):
+            _adam_fused(loop, *arrays, scalars)  # one pass over memory instead of one per operation
+        else:
+            _adam_numpy(*arrays, scalars)
+
+
+# Adam's scalars, each already rounded to the weight's dtype: rescale, decay, bound (None: no clipping), beta1,
+# 1 - beta1, beta2, 1 - beta2, the bias-corrected rate and epsilon.
+_AdamScalars = tuple[float, float, float | None, float, float, float, float, float, float]
+
+
+def _adam_torch(w: Array, gr: Array, m: Array, v: Array, scalars: _AdamScalars) -> None:
+    """Adam's rule on torch tensors, whole (Python numbers, already rounded, keep the tensors' dtype)."""
+    rescale, decay, bound, b1, b1c, b2, b2c, lr, eps = scalars
+    g = gr * rescale
+    g += w * decay
+    if bound is not None:
+        g = g.clamp_(-bound, bound)
+    m *= b1
+    m += g * b1c
+    v *= b2
+    g2 = g * b2c
+    g2 *= g
+    v += g2
+    step = m * lr
+    den = _sqrt(v)
+    den += eps
+    step /= den
+    w -= step
+
+
+def _adam_numpy(weight: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray, scalars: _AdamScalars) -> None:
+    """Adam's rule in NumPy, in cache-sized blocks (the reference the fused loop is checked against)."""
+    dt = weight.dtype
+    # NumPy scalars keep NumPy's arithmetic in the dtype.
+    rescale, decay, bound, b1, b1c, b2, b2c, lr, eps = (None if x is None else dt.type(x) for x in scalars)
+
+    def rule(w: np.ndarray, gr: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, t: np.ndarray) -> None:
+        np.multiply(gr, rescale, out=g)
+        np.multiply(w, decay, out=t)
+        g += t
+        if bound is not None:
+            clip_kernel(g, bound)
+        moments(g, m, v, b1, b1c, b2, b2c, t)
+        np.multiply(m, lr, out=g)
+        np.sqrt(v, out=t)
+        t += eps
+        g /= t
+        w -= g
+
+    blockwise(rule, weight, grad, m, v, scratch=2)
+
+
+def _adam_fused(loop: Any, weight: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray,
+                scalars: _AdamScalars) -> None:
+    """Adam's rule through the C loop of :mod:`.fused` (contiguous float32 arrays), in blocks on the threads."""
+    rescale, decay, bound, *rest = scalars
+
+    def rule(w: np.ndarray, gr: np.ndarray, mb: np.ndarray, vb: np.ndarray) -> None:
+        loop(w.ctypes.data, gr.ctypes.data, mb.ctypes.data, vb.ctypes.data, w.size, rescale, decay,
+             bound is not None, 0.0 if bound is None else bound, *rest)
+
+    blockwise(rule, weight, grad, m, v)
+
+
+_probe_lock = threading.Lock()
+_probed: dict[str, Any] = {}
+
+
+def _adam_loop() -> Any:
+    """The fused C loop for float32 Adam, once it has given :func:`_adam_numpy`'s bits on a probe (with and
+    without clipping; NaN, infinities, signed zeros and subnormals included); None where it cannot be used."""
+    if not _fused.enabled():
+        return None
+    with _probe_lock:
+        if "adam" not in _probed:
+            loop = _fused.function("hora_adam_f32")
+            if loop is not None and not _adam_probe(loop):
+                log.warning("hora: the fused Adam loop built by %s does not give the NumPy rule's bits; NumPy "
+                            "runs instead", _fused.SOURCE.name)
+                loop = None
+            _probed["adam"] = loop
+        return _probed["adam"]
+
+
+def _adam_probe(loop: Any) -> bool:
+    rng = np.random.default_rng(0)
+    special = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 1e-45, -1e-45, 1e30, -1e-30], np.float32)
+    n = 4099
+    w0 = (rng.standard_normal(n) * 3).astype(np.float32)
+    grads = [(rng.standard_normal(n) * 10 ** rng.uniform(-20, 3, n)).astype(np.float32) for _ in range(2)]
+    w0[:special.size], grads[0][-special.size:] = special, special
+    ok = True
+    with np.errstate(all="ignore"):
+        for scalars in ((0.5, 0.01, None, 0.9, 0.1, 0.999, 0.001, 0.002, 1e-8),
+                        (1.0, 0.0, 0.3, 0.8, 0.2, 0.99, 0.01, 0.05, 1e-6)):
+            f = tuple(None if x is None else float(np.float32(x)) for x in scalars)
+            a, b = [w0.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)], [w0.copy(), np.zeros(n, np.float32),
+                                                                                 np.zeros(n, np.float32)]
+            for g in grads:
+                _adam_numpy(a[0], g, a[1], a[2], f)  # type: ignore[arg-type]
+                _adam_fused(loop, b[0], g, b[1], b[2], f)  # type: ignore[arg-type]
+            ok = ok and all(np.array_equal(x.view(np.uint32), y.view(np.uint32)) for x, y in zip(a, b, strict=True))
+    return ok
 
 
 class Adamax(Optimizer):
