@@ -533,13 +533,17 @@ def _fused_adam_or_skip():
     return adaptive, loop
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"wd": 0.01, "rescale_grad": 0.5}, {"clip_gradient": 0.3, "wd": 0.001}],
-                         ids=["defaults", "wd+rescale", "clip"])
+@pytest.mark.parametrize("name, kwargs", [
+    ("adam", {}), ("adam", {"wd": 0.01, "rescale_grad": 0.5}), ("adam", {"clip_gradient": 0.3, "wd": 0.001}),
+    ("lamb", {"wd": 0.01}), ("lamb", {"bias_correction": False, "clip_gradient": 0.5, "rescale_grad": 0.5}),
+], ids=["adam", "adam-wd-rescale", "adam-clip", "lamb", "lamb-noBC-clip"])
+@pytest.mark.parametrize("values", ["finite", "special"])
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN and overflow on purpose, on the math threads too
-def test_fused_adam_gives_the_numpy_rules_bits(kwargs, monkeypatch):
-    """The compiled Adam loop, on blocks split over threads, gives the NumPy rule's bits: weights and both
-    moments, over several steps, NaN, infinities, signed zeros and subnormals included."""
-    from hora.kvstore.optimizer import base
+def test_fused_loops_give_the_numpy_rules_bits(name, kwargs, values, monkeypatch):
+    """The compiled loops, on blocks split over threads, give the NumPy rule's bits (a NaN matching any NaN):
+    weights and both moments over several steps, on gradients from 1e-8 to 100 ("finite", where LAMB's norms
+    and ratio stay finite) or with NaN, infinities, signed zeros and subnormals in gradients and weights."""
+    from hora.kvstore.optimizer import base, fused
 
     _fused_adam_or_skip()
     monkeypatch.setattr(base, "PARALLEL_BLOCKS", 1)
@@ -549,20 +553,33 @@ def test_fused_adam_gives_the_numpy_rules_bits(kwargs, monkeypatch):
     w0 = (rng.standard_normal(n) * 2).astype(f32)
     grads = [(rng.standard_normal(n) * 10.0 ** rng.uniform(-8, 2, n)).astype(f32) for _ in range(3)]
     special = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 1e-45, -1e-45, 3e38], f32)
-    w0[:8], grads[1][-8:] = special, special
+    if values == "special":
+        w0[:8], grads[1][-8:] = special, special
 
-    def run(fused: str):
-        monkeypatch.setenv("HORA_PS_FUSED", fused)
-        upd = kvopt.Updater(kvopt.Adam(learning_rate=0.01, **kwargs))
+    def run(on: str):
+        monkeypatch.setenv("HORA_PS_FUSED", on)
+        upd = kvopt.Updater(kvopt.create(name, learning_rate=0.01, **kwargs))
         w = w0.copy()
         with np.errstate(all="ignore"):
             for g in grads:
                 upd("k", g, w)
         states = upd.key_states("k")
-        return [a.view(np.uint32) for a in (w, states["mean"], states["var"])]
+        return w, states["mean"], states["var"]
 
-    for fused, plain in zip(run("1"), run("0"), strict=True):
-        np.testing.assert_array_equal(fused, plain)
+    for with_loops, plain in zip(run("1"), run("0"), strict=True):
+        assert fused.same_bits(with_loops, plain)
+    if values == "finite":
+        assert np.isfinite(run("1")[0]).all()
+
+
+def test_same_bits_matches_nans_of_either_sign_and_nothing_else():
+    from hora.kvstore.optimizer.fused import same_bits
+
+    a = np.array([1.0, -0.0, np.nan], f32)
+    assert same_bits(a, np.array([1.0, -0.0, -np.nan], f32))
+    assert not same_bits(a, np.array([1.0, 0.0, np.nan], f32))
+    assert not same_bits(a, np.array([np.nextafter(f32(1), f32(2)), -0.0, np.nan], f32))
+    assert not same_bits(a, np.array([1.0, -0.0, 0.0], f32))
 
 
 def test_fused_adam_is_what_a_float32_key_runs_and_hora_ps_fused_0_turns_it_off(monkeypatch):
@@ -583,28 +600,47 @@ def test_fused_adam_is_what_a_float32_key_runs_and_hora_ps_fused_0_turns_it_off(
     assert calls == [np.float32]
 
 
+def test_fused_lamb_runs_for_float32_keys_only(monkeypatch):
+    """LAMB's C loops take a contiguous float32 key; a float16 key with a float32 master copy, and
+    ``HORA_PS_FUSED=0``, go through the NumPy phases."""
+    from hora.kvstore.optimizer import lamb
+
+    _fused_adam_or_skip()
+    calls = []
+    real = lamb.LAMB._direction_fused
+    monkeypatch.setattr(lamb.LAMB, "_direction_fused", staticmethod(lambda *a: (calls.append(a[1].dtype),
+                                                                                real(*a))[1]))
+    upd = kvopt.Updater(kvopt.LAMB(multi_precision=True))
+    upd("k", np.ones(10, f32), np.ones(10, f32))
+    upd("h", np.ones(10, np.float16), np.ones(10, np.float16))
+    monkeypatch.setenv("HORA_PS_FUSED", "0")
+    upd("k", np.ones(10, f32), np.ones(10, f32))
+    assert calls == [np.float32]
+
+
 def test_fused_loops_fall_back_to_numpy_without_a_compiler(monkeypatch, tmp_path):
     """No compiler (or a failed build): no fused loop, no error; the NumPy rule updates the key."""
-    from hora.kvstore.optimizer import adaptive, fused
+    from hora.kvstore.optimizer import adaptive, fused, lamb
 
     monkeypatch.setattr(fused, "_loaded", {})
-    monkeypatch.setattr(adaptive, "_probed", {})
+    monkeypatch.setattr(fused, "_checked", {})
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert fused.function("hora_adam_f32") is None
-    assert adaptive._adam_loop() is None
-    w = np.ones(10, f32)
-    kvopt.Updater(kvopt.Adam(learning_rate=0.1))("k", np.ones(10, f32), w)
-    assert np.all(w < 1)
+    assert adaptive._adam_loop() is None and lamb._lamb_loops() is None
+    for opt in (kvopt.Adam(learning_rate=0.1), kvopt.LAMB(learning_rate=0.1)):
+        w = np.ones(10, f32)
+        kvopt.Updater(opt)("k", np.ones(10, f32), w)
+        assert np.all(w < 1)
 
 
 def test_fused_loop_that_breaks_the_bits_is_refused(monkeypatch):
     """A loop that does not give the NumPy rule's bits on the probe (a compiler that contracts to fused
     multiply-adds, say) is not used."""
-    from hora.kvstore.optimizer import adaptive
+    from hora.kvstore.optimizer import adaptive, fused
 
     _, loop = _fused_adam_or_skip()
-    monkeypatch.setattr(adaptive, "_probed", {})
+    monkeypatch.setattr(fused, "_checked", {})
 
     def off_by_a_bit(w, *args):
         loop(w, *args)
@@ -612,5 +648,5 @@ def test_fused_loop_that_breaks_the_bits_is_refused(monkeypatch):
         arr = np.ctypeslib.as_array((ctypes.c_float * n).from_address(w))
         arr[n // 2] = np.nextafter(arr[n // 2], np.inf)
 
-    monkeypatch.setattr(adaptive._fused, "function", lambda name: off_by_a_bit)
+    monkeypatch.setattr(fused, "function", lambda name: off_by_a_bit)
     assert adaptive._adam_loop() is None

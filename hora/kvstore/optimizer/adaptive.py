@@ -9,9 +9,7 @@ are computed here in Python doubles too, and rounded where MXNet rounds them.
 
 from __future__ import annotations
 
-import logging
 import math
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,8 +36,6 @@ from hora.kvstore.optimizer.base import (
     sign,
     zeros_like,
 )
-
-log = logging.getLogger(__name__)
 
 
 def _sqrt(x: Array) -> Array:
@@ -158,44 +154,26 @@ def _adam_fused(loop: Any, weight: np.ndarray, grad: np.ndarray, m: np.ndarray, 
     blockwise(rule, weight, grad, m, v)
 
 
-_probe_lock = threading.Lock()
-_probed: dict[str, Any] = {}
-
-
 def _adam_loop() -> Any:
     """The fused C loop for float32 Adam, once it has given :func:`_adam_numpy`'s bits on a probe (with and
-    without clipping; NaN, infinities, signed zeros and subnormals included); None where it cannot be used."""
-    if not _fused.enabled():
-        return None
-    with _probe_lock:
-        if "adam" not in _probed:
-            loop = _fused.function("hora_adam_f32")
-            if loop is not None and not _adam_probe(loop):
-                log.warning("hora: the fused Adam loop built by %s does not give the NumPy rule's bits; NumPy "
-                            "runs instead", _fused.SOURCE.name)
-                loop = None
-            _probed["adam"] = loop
-        return _probed["adam"]
+    without clipping; :func:`.fused.probe_data`, compared by :func:`.fused.same_bits`); None where it cannot
+    be used."""
+    loops = _fused.checked(("hora_adam_f32",), _adam_probe)
+    return None if loops is None else loops[0]
 
 
-def _adam_probe(loop: Any) -> bool:
-    rng = np.random.default_rng(0)
-    special = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 1e-45, -1e-45, 1e30, -1e-30], np.float32)
-    n = 4099
-    w0 = (rng.standard_normal(n) * 3).astype(np.float32)
-    grads = [(rng.standard_normal(n) * 10 ** rng.uniform(-20, 3, n)).astype(np.float32) for _ in range(2)]
-    w0[:special.size], grads[0][-special.size:] = special, special
+def _adam_probe(loops: tuple[Any, ...]) -> bool:
+    w0, grads = _fused.probe_data()
     ok = True
     with np.errstate(all="ignore"):
         for scalars in ((0.5, 0.01, None, 0.9, 0.1, 0.999, 0.001, 0.002, 1e-8),
                         (1.0, 0.0, 0.3, 0.8, 0.2, 0.99, 0.01, 0.05, 1e-6)):
             f = tuple(None if x is None else float(np.float32(x)) for x in scalars)
-            a, b = [w0.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)], [w0.copy(), np.zeros(n, np.float32),
-                                                                                 np.zeros(n, np.float32)]
+            a, b = ([w0.copy(), np.zeros_like(w0), np.zeros_like(w0)] for _ in range(2))
             for g in grads:
                 _adam_numpy(a[0], g, a[1], a[2], f)  # type: ignore[arg-type]
-                _adam_fused(loop, b[0], g, b[1], b[2], f)  # type: ignore[arg-type]
-            ok = ok and all(np.array_equal(x.view(np.uint32), y.view(np.uint32)) for x, y in zip(a, b, strict=True))
+                _adam_fused(loops[0], b[0], g, b[1], b[2], f)  # type: ignore[arg-type]
+            ok = ok and all(_fused.same_bits(x, y) for x, y in zip(a, b, strict=True))
     return ok
 
 
