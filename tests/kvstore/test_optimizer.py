@@ -536,7 +536,8 @@ def _fused_adam_or_skip():
 @pytest.mark.parametrize("name, kwargs", [
     ("adam", {}), ("adam", {"wd": 0.01, "rescale_grad": 0.5}), ("adam", {"clip_gradient": 0.3, "wd": 0.001}),
     ("lamb", {"wd": 0.01}), ("lamb", {"bias_correction": False, "clip_gradient": 0.5, "rescale_grad": 0.5}),
-], ids=["adam", "adam-wd-rescale", "adam-clip", "lamb", "lamb-noBC-clip"])
+    ("adagrad", {"wd": 0.01, "rescale_grad": 0.5}), ("adagrad", {"clip_gradient": 0.5}),
+], ids=["adam", "adam-wd-rescale", "adam-clip", "lamb", "lamb-noBC-clip", "adagrad", "adagrad-clip"])
 @pytest.mark.parametrize("values", ["finite", "special"])
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN and overflow on purpose, on the math threads too
 def test_fused_loops_give_the_numpy_rules_bits(name, kwargs, values, monkeypatch):
@@ -564,7 +565,7 @@ def test_fused_loops_give_the_numpy_rules_bits(name, kwargs, values, monkeypatch
             for g in grads:
                 upd("k", g, w)
         states = upd.key_states("k")
-        return w, states["mean"], states["var"]
+        return w, *(states[k] for k in ("mean", "var", "history") if k in states)
 
     for with_loops, plain in zip(run("1"), run("0"), strict=True):
         assert fused.same_bits(with_loops, plain)
@@ -618,6 +619,20 @@ def test_fused_lamb_runs_for_float32_keys_only(monkeypatch):
     assert calls == [np.float32]
 
 
+def test_fused_adagrad_runs_without_clipping_only(monkeypatch):
+    """AdaGrad's C loop takes a float32 key without clipping; with ``clip_gradient`` (MXNet's Python clip,
+    negative bounds included) or ``HORA_PS_FUSED=0`` the NumPy rule runs."""
+    adaptive, _ = _fused_adam_or_skip()
+    calls = []
+    real = adaptive._adagrad_fused
+    monkeypatch.setattr(adaptive, "_adagrad_fused", lambda *a: (calls.append(a[1].size), real(*a)))
+    kvopt.Updater(kvopt.AdaGrad())("k", np.ones(10, f32), np.ones(10, f32))
+    kvopt.Updater(kvopt.AdaGrad(clip_gradient=-0.5))("k", np.ones(11, f32), np.ones(11, f32))
+    monkeypatch.setenv("HORA_PS_FUSED", "0")
+    kvopt.Updater(kvopt.AdaGrad())("k", np.ones(12, f32), np.ones(12, f32))
+    assert calls == [10]
+
+
 def test_fused_loops_fall_back_to_numpy_without_a_compiler(monkeypatch, tmp_path):
     """No compiler (or a failed build): no fused loop, no error; the NumPy rule updates the key."""
     from hora.kvstore.optimizer import adaptive, fused, lamb
@@ -627,8 +642,8 @@ def test_fused_loops_fall_back_to_numpy_without_a_compiler(monkeypatch, tmp_path
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert fused.function("hora_adam_f32") is None
-    assert adaptive._adam_loop() is None and lamb._lamb_loops() is None
-    for opt in (kvopt.Adam(learning_rate=0.1), kvopt.LAMB(learning_rate=0.1)):
+    assert adaptive._adam_loop() is None and lamb._lamb_loops() is None and adaptive._adagrad_loop() is None
+    for opt in (kvopt.Adam(learning_rate=0.1), kvopt.LAMB(learning_rate=0.1), kvopt.AdaGrad(learning_rate=0.1)):
         w = np.ones(10, f32)
         kvopt.Updater(opt)("k", np.ones(10, f32), w)
         assert np.all(w < 1)

@@ -10,7 +10,7 @@ are computed here in Python doubles too, and rounded where MXNet rounds them.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -274,25 +274,19 @@ class AdaGrad(Optimizer):
     def update(self, index: str, weight: Array, grad: Array, state: dict[str, Array]) -> None:
         lr, wd, _ = self._begin(index)
         dt = weight.dtype
-        rescale, eps, decay, neg_lr = scalar(dt, self.rescale_grad), scalar(dt, self.eps), scalar(dt, wd), scalar(
-            dt, -lr)
-
-        def rule(w: np.ndarray, gr: np.ndarray, h: np.ndarray, g: np.ndarray, t: np.ndarray) -> None:
-            if self.clip_gradient is None:
-                np.multiply(gr, rescale, out=g)
-            else:
+        scalars = tuple(scalar(dt, x) for x in (self.rescale_grad, self.eps, wd, -lr))
+        h = state["history"]
+        if self.clip_gradient is not None:  # MXNet's Python clip, whatever the sign of clip_gradient
+            def clipped(gr: np.ndarray, g: np.ndarray) -> None:
                 g[...] = self._rescaled(gr, dt)
-            np.multiply(g, g, out=t)
-            h += t
-            np.add(h, eps, out=t)
-            np.sqrt(t, out=t)
-            g /= t
-            np.multiply(w, decay, out=t)
-            g += t
-            g *= neg_lr
-            w += g
 
-        blockwise(rule, weight, grad, state["history"], scratch=2)
+            _adagrad_numpy(weight, grad, h, scalars, clipped)
+            return
+        loop = _adagrad_loop() if dt == np.float32 else None
+        if loop is not None and all(a.flags.c_contiguous for a in (weight, grad, h)):
+            _adagrad_fused(loop, weight, grad, h, scalars)
+        else:
+            _adagrad_numpy(weight, grad, h, scalars, lambda gr, g: np.multiply(gr, scalars[0], out=g))
 
     def lazy_rows(self) -> bool:
         """MXNet's AdaGrad sends row_sparse gradients to its sparse kernel, which touches only their rows."""
@@ -321,15 +315,68 @@ class AdaGrad(Optimizer):
             np.multiply(gr, rescale, out=g)
             if bound is not None:
                 clip_kernel(g, bound)
-            np.multiply(g, g, out=t)
-            h += t
-            np.add(h, eps, out=t)
-            np.sqrt(t, out=t)
-            g /= t
+            _adagrad_history(g, h, eps, t)
             g *= s_lr
             w -= g
 
         blockwise(rule, weight, grad, state["history"], scratch=2)
+
+
+def _adagrad_history(g: np.ndarray, h: np.ndarray, eps: np.floating, t: np.ndarray) -> None:
+    """``h += g * g``, then ``g /= sqrt(h + eps)``, in place (``t``: scratch): both of MXNet's AdaGrad kernels."""
+    np.multiply(g, g, out=t)
+    h += t
+    np.add(h, eps, out=t)
+    np.sqrt(t, out=t)
+    g /= t
+
+
+def _adagrad_numpy(weight: np.ndarray, grad: np.ndarray, h: np.ndarray, scalars: tuple[np.floating, ...],
+                   rescaled: Callable[[np.ndarray, np.ndarray], Any]) -> None:
+    """AdaGrad's dense rule in NumPy blocks; ``rescaled(grad, out)`` writes the rescaled (clipped) gradient."""
+    _, eps, decay, neg_lr = scalars
+
+    def rule(w: np.ndarray, gr: np.ndarray, hb: np.ndarray, g: np.ndarray, t: np.ndarray) -> None:
+        rescaled(gr, g)
+        _adagrad_history(g, hb, eps, t)
+        np.multiply(w, decay, out=t)
+        g += t
+        g *= neg_lr
+        w += g
+
+    blockwise(rule, weight, grad, h, scratch=2)
+
+
+def _adagrad_fused(loop: Any, weight: np.ndarray, grad: np.ndarray, h: np.ndarray,
+                   scalars: tuple[np.floating, ...]) -> None:
+    """AdaGrad's rule (no clipping) through the C loop of :mod:`.fused`, in blocks on the threads."""
+    args = tuple(float(x) for x in scalars)
+
+    def rule(w: np.ndarray, gr: np.ndarray, hb: np.ndarray) -> None:
+        loop(w.ctypes.data, gr.ctypes.data, hb.ctypes.data, w.size, *args)
+
+    blockwise(rule, weight, grad, h)
+
+
+def _adagrad_loop() -> Any:
+    """The fused C loop for float32 AdaGrad without clipping, once it has given :func:`_adagrad_numpy`'s bits on
+    a probe (:func:`.fused.probe_data`, :func:`.fused.same_bits`); None where it cannot be used."""
+    loops = _fused.checked(("hora_adagrad_f32",), _adagrad_probe)
+    return None if loops is None else loops[0]
+
+
+def _adagrad_probe(loops: tuple[Any, ...]) -> bool:
+    w0, grads = _fused.probe_data()
+    f = np.float32
+    ok = True
+    with np.errstate(all="ignore"):
+        for scalars in ((f(0.5), f(1e-7), f(0.01), f(-0.1)), (f(1.0), f(1e-6), f(0.0), f(-0.02))):
+            a, b = ([w0.copy(), np.zeros_like(w0)] for _ in range(2))
+            for g in grads:
+                _adagrad_numpy(a[0], g, a[1], scalars, lambda gr, out, s=scalars[0]: np.multiply(gr, s, out=out))
+                _adagrad_fused(loops[0], b[0], g, b[1], scalars)
+            ok = ok and all(_fused.same_bits(x, y) for x, y in zip(a, b, strict=True))
+    return ok
 
 
 class AdaDelta(Optimizer):

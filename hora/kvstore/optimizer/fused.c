@@ -58,6 +58,25 @@ HORA_CLONES void hora_adam_f32(float *restrict w, const float *restrict grad, fl
     }
 }
 
+/* AdaGrad's dense rule (hora.kvstore.optimizer.adaptive.AdaGrad, no clipping): g = grad * rescale;
+ * h = h + g * g; w = w + (g / sqrt(h + eps) + w * decay) * neg_lr. */
+HORA_CLONES void hora_adagrad_f32(float *restrict w, const float *restrict grad, float *restrict h, long n,
+                                  float rescale, float eps, float decay, float neg_lr) {
+    for (long i = 0; i < n; i++) {
+        float g = grad[i] * rescale;
+        float t = g * g;
+        float hi = h[i] + t;
+        h[i] = hi;
+        t = hi + eps;
+        t = sqrtf(t);
+        g = g / t;
+        t = w[i] * decay;
+        g = g + t;
+        g = g * neg_lr;
+        w[i] = w[i] + g;
+    }
+}
+
 /* MXNet's multi_sum_sq of one float32 array: sum += x[i] * x[i] in float, in order. */
 HORA_CLONES float hora_sum_sq_f32(const float *restrict x, long n) {
     float sum = 0.0f;

@@ -43,6 +43,7 @@ _loaded: dict[str, ctypes.CDLL | None] = {}
 _F, _P, _I, _N = ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_long
 _SIGNATURES = {  # name: (argument types, result type)
     "hora_adam_f32": ((_P, _P, _P, _P, _N, _F, _F, _I, _F, _F, _F, _F, _F, _F, _F), None),
+    "hora_adagrad_f32": ((_P, _P, _P, _N, _F, _F, _F, _F), None),
     "hora_sum_sq_f32": ((_P, _N), _F),
     "hora_lamb_direction_f32": ((_P, _P, _P, _P, _P, _N, _F, _I, _F, _F, _F, _F, _F, _I, _F, _F, ctypes.c_double,
                                  _F), None),
