@@ -33,6 +33,9 @@ case's buffers are freed before the next: at most one case's state is alive.
 ``fp16-horovod`` is the float16 cast as a compressor written Horovod's way
 (a subclass whose ``compress`` returns a new tensor each step): the path that
 ``fp16`` took before its wire buffers were kept between steps.
+``fp16-tensorwise`` / ``bf16-tensorwise`` are the casts without the flat cast
+exchange (:mod:`hora.core.compression.cast`): each gradient cast into a wire
+tensor of its own and submitted alone, the path before it.
 """
 
 from __future__ import annotations
@@ -166,9 +169,12 @@ def worker(args: argparse.Namespace) -> None:
         base = _timed(local, 1, 2 * args.iters)
         row = {"backward_s": base}
         for spec in args.hora_cases.split(","):
-            compression = _horovod_style_fp16() if spec == "fp16-horovod" else parse_spec(spec)
+            compression = _horovod_style_fp16() if spec == "fp16-horovod" else parse_spec(
+                spec.removesuffix("-tensorwise"))
             opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), compression=compression,
                                            named_parameters=[(f"{name}.{i}", p) for i, p in enumerate(model.ps)])
+            if spec.endswith("-tensorwise"):
+                opt._casts = None  # the binding's per-tensor path, as before the cast exchange
 
             def step(model=model, opt=opt) -> None:
                 model.zero_grad(set_to_none=False)
@@ -291,7 +297,7 @@ def driver(args: argparse.Namespace) -> None:
         print("| compressor | hora | hora / hora none | DDP | hora / DDP |\n|---|---|---|---|---|")
         for spec in args.hora_cases.split(","):
             h = row[f"hora {spec}"]
-            d = row.get(f"ddp {spec.removesuffix('-horovod')}")
+            d = row.get(f"ddp {spec.removesuffix('-horovod').removesuffix('-tensorwise')}")
             ddp = f"{d:.3f} s | {h / d:.2f}x" if d else "— | —"
             ratio = f"{h / plain:.2f}x" if plain else "—"
             print(f"| {spec} | {h:.3f} s | {ratio} | {ddp} |")
