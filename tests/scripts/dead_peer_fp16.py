@@ -19,7 +19,7 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 2048))
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), compression=hvd.Compression.fp16,
                                named_parameters=model.named_parameters())
-assert len({s.chunk.name for s in opt._casts._slots.values()}) >= 2, "the model should fill several chunks"
+assert len(opt._casts.chunk_names) >= 2, "the model should fill several chunks"
 x = torch.randn(8, 2048)
 start = time.monotonic()
 try:

@@ -130,6 +130,11 @@ class CastExchange:
                     group, start = [], at
         self.reset()
 
+    @property
+    def chunk_names(self) -> list[str]:
+        """The request names of the chunks, in layout order (one allreduce each per step)."""
+        return [c.name for c in self._chunks]
+
     def covers(self, key: Hashable) -> bool:
         """True when ``key``'s gradient is one of this exchange's."""
         return key in self._slots
