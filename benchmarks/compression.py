@@ -33,6 +33,11 @@ case's buffers are freed before the next: at most one case's state is alive.
 ``fp16-horovod`` is the float16 cast as a compressor written Horovod's way
 (a subclass whose ``compress`` returns a new tensor each step): the path that
 ``fp16`` took before its wire buffers were kept between steps.
+``fp16-tensorwise`` / ``bf16-tensorwise`` are the casts without the flat cast
+exchange (:mod:`hora.core.compression.cast`): each gradient cast into a wire
+tensor of its own and submitted alone, the path before it.  ``--rounds N``
+runs the hora cases N times in turn (medians in the table, each round below
+it), so that cases compared with each other meet the same load.
 """
 
 from __future__ import annotations
@@ -165,17 +170,22 @@ def worker(args: argparse.Namespace) -> None:
 
         base = _timed(local, 1, 2 * args.iters)
         row = {"backward_s": base}
-        for spec in args.hora_cases.split(","):
-            compression = _horovod_style_fp16() if spec == "fp16-horovod" else parse_spec(spec)
+        # --rounds: the hora cases again and again, in turn, so that a before/after pair (fp16-tensorwise,
+        # fp16) meets the same load; each round's figures are kept and the table shows their median.
+        for spec in [s for _ in range(args.rounds) for s in args.hora_cases.split(",")]:
+            compression = _horovod_style_fp16() if spec == "fp16-horovod" else parse_spec(
+                spec.removesuffix("-tensorwise"))
             opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), compression=compression,
                                            named_parameters=[(f"{name}.{i}", p) for i, p in enumerate(model.ps)])
+            if spec.endswith("-tensorwise"):
+                opt._casts = None  # the binding's per-tensor path, as before the cast exchange
 
             def step(model=model, opt=opt) -> None:
                 model.zero_grad(set_to_none=False)
                 model().backward()
                 opt.synchronize()
 
-            row[f"hora {spec}"] = _timed(step, args.warmup, args.iters) - base
+            row.setdefault(f"hora {spec}", []).append(_timed(step, args.warmup, args.iters) - base)
             opt.remove_hooks()
             del opt, step
             gc.collect()  # the compressor's buffers go before the next case's are made
@@ -274,7 +284,7 @@ def driver(args: argparse.Namespace) -> None:
         cmd = [*where.prefix, sys.executable, "-m", "hora.runner.cli", "run", "-np", str(args.hosts), "--gloo",
                "-H", hosts, *where.run_args, "--", sys.executable, str(Path(__file__).resolve()), "--worker",
                "--sets", args.sets, "--iters", str(args.iters), "--warmup", str(args.warmup),
-               "--hora-cases", args.hora_cases, "--ddp-cases", args.ddp_cases,
+               "--hora-cases", args.hora_cases, "--ddp-cases", args.ddp_cases, "--rounds", str(args.rounds),
                *(["--mlp"] if args.mlp else [])]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=job_env(), timeout=args.timeout)
     lines = [ln.split("RESULT ", 1)[1] for ln in proc.stdout.splitlines() if "RESULT " in ln]
@@ -285,16 +295,23 @@ def driver(args: argparse.Namespace) -> None:
           f"{load[0]:.1f}, after {os.getloadavg()[0]:.1f} (2 cores shared with other jobs)\n")
     for name in args.sets.split(","):
         # a step ends when its slowest rank does
-        row = {k: max(r[name][k] for r in per_rank) for k in per_rank[0][name]}
+        # per round, the slowest rank's figure; then the median over rounds
+        rounds = {k: [max(r[name][k][i] for r in per_rank) for i in range(args.rounds)]
+                  for k in per_rank[0][name] if k.startswith("hora ") and k != "hora peak MiB"}
+        row = {k: max(r[name][k] for r in per_rank) for k in per_rank[0][name] if k not in rounds}
+        row.update({k: statistics.median(v) for k, v in rounds.items()})
         plain = row.get("hora none")
         print(f"### {name}: exchange time (backward + reduction - backward alone {row['backward_s'] * 1e3:.0f} ms)\n")
         print("| compressor | hora | hora / hora none | DDP | hora / DDP |\n|---|---|---|---|---|")
         for spec in args.hora_cases.split(","):
             h = row[f"hora {spec}"]
-            d = row.get(f"ddp {spec.removesuffix('-horovod')}")
+            d = row.get(f"ddp {spec.removesuffix('-horovod').removesuffix('-tensorwise')}")
             ddp = f"{d:.3f} s | {h / d:.2f}x" if d else "— | —"
             ratio = f"{h / plain:.2f}x" if plain else "—"
             print(f"| {spec} | {h:.3f} s | {ratio} | {ddp} |")
+        if args.rounds > 1:
+            print("\nEach round (s): " + "; ".join(f"{spec} " + ", ".join(f"{v:.3f}" for v in rounds[f"hora {spec}"])
+                                                  for spec in args.hora_cases.split(",")))
         if "ddp none" in row:
             print("\nDDP's own ratios to its plain run: " + ", ".join(
                 f"{spec} {row[f'ddp {spec}'] / row['ddp none']:.2f}x" for spec in args.ddp_cases.split(",")
@@ -324,6 +341,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=float, default=3000)
     p.add_argument("--hora-cases", default=",".join(HORA_CASES), help="hora compressors to run (see the docstring)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the hora cases this many times in turn; the table shows each case's median")
     p.add_argument("--ddp-cases", default=",".join(DDP_CASES), help="DDP hooks to run: none, fp16, powersgd:R")
     args = p.parse_args()
     worker(args) if args.worker else driver(args)

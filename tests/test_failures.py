@@ -32,6 +32,16 @@ def test_dead_peer_gives_error_and_root_cause(run_job):
     assert "root cause: rank 1" in proc.stderr and "exited with code 7" in proc.stderr
 
 
+def test_dead_peer_during_fp16_cast_exchange_ends_the_job(run_job):
+    """A rank lost while the others wait on the fp16 chunks of hora.torch's cast exchange: no hang."""
+    start = time.monotonic()
+    proc = run_job(3, [sys.executable, "tests/scripts/dead_peer_fp16.py"], timeout=120)
+    assert time.monotonic() - start < 60, "the survivors hung on the cast exchange"
+    assert proc.returncode == 7, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "root cause: rank 2" in proc.stderr and "exited with code 7" in proc.stderr
+    assert "NO ERROR" not in proc.stdout
+
+
 RAISES_WHILE_PEER_WORKS = """
 import time
 import hora.torch as hvd

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from hora.core import runtime
-from hora.core.compression import WireBuffers, is_stateful
+from hora.core.compression import CastExchange, WireBuffers, is_builtin_cast, is_stateful
+from hora.core.compression.base import FLOAT_DTYPES
 from hora.core.objects import broadcast_object
 from hora.core.ops import ReduceOp
 from hora.core.runtime import global_process_set
@@ -104,11 +105,40 @@ class _DistributedOptimizer(WrappedOptimizer):
         self._included = bool(process_set.included())
         self._hooks = ([p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
                        if self._included else [])
+        self._casts = self._cast_exchange() if self._included else None
+
+    def _cast_exchange(self) -> CastExchange | None:
+        """fp16/bf16 without groups: each floating gradient is cast straight into one flat wire buffer.
+
+        Its chunks go on the wire as soon as they are cast, in the reverse of
+        the parameters' order (the order backward makes them in, and the same
+        on every rank); see :mod:`hora.core.compression.cast`.
+        """
+        wire = getattr(self._compression, "wire_dtype", None)
+        if not is_builtin_cast(self._compression) or wire is None or self._groups or self._op not in (
+                ReduceOp.AVERAGE, ReduceOp.SUM):
+            return None
+        params = [p for p in reversed(self._params)
+                  if str(p.dtype).removeprefix("torch.") in FLOAT_DTYPES - {wire} and not p.is_sparse]
+        if not params:
+            return None
+        self._by_id = {id(p): p for p in params}
+        return CastExchange(wire, [id(p) for p in params], params, [self._names[id(p)] for p in params],
+                            op=self._op, prescale=self._prescale, postscale=self._postscale,
+                            process_set=self._process_set)
+
+    def _cast_grad(self, key: int) -> torch.Tensor | None:
+        """The gradient the cast exchange reads and writes (None: a sparse one, reduced by allgather)."""
+        p = self._by_id[key]
+        if p.grad is not None and p.grad.is_sparse and not self._sparse_as_dense:
+            return None
+        return self._grad_of(p)
 
     # -------------------------------------------------------------- hooks
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         key = id(p)
-        if key in self._handles or key in self._deferred or key in self._stateful_ready or (key in self._group_of and
+        if key in self._handles or key in self._deferred or key in self._stateful_ready or (
+                self._casts is not None and self._casts.added(key)) or (key in self._group_of and
                                     any(q is p for q in self._group_ready.get(self._group_of[key], []))):
             raise HoraError(
                 "gradients were computed more than backward_passes_per_step times before step(); "
@@ -140,6 +170,9 @@ class _DistributedOptimizer(WrappedOptimizer):
         if gi is None:
             if p.grad is not None and p.grad.is_sparse and not self._sparse_as_dense:
                 self._start_sparse(p)
+                return
+            if self._casts is not None and self._casts.covers(id(p)):
+                self._casts.add(id(p), self._grad_of(p))
                 return
             if self._defer:
                 self._deferred[id(p)] = self._scale_early([self._grad_of(p)])
@@ -247,15 +280,19 @@ class _DistributedOptimizer(WrappedOptimizer):
                     ready.append(p)
             del self._group_ready[gi]
             self._start(self._groups[gi], f"group.{gi}", -1 - gi)
+        casts = self._casts
         for p in self._params:
             key = id(p)
-            if key not in self._handles and key not in self._group_of and key not in self._deferred:
+            if key not in self._handles and key not in self._group_of and key not in self._deferred and not (
+                    casts is not None and casts.added(key)):
                 self._submit(p)
         for gi, group in enumerate(self._groups):
             if -1 - gi not in self._handles:
                 self._start(group, f"group.{gi}", -1 - gi)
         if self._deferred:
             self._start_deferred()
+        if casts is not None:
+            casts.finish(self._cast_grad)
         for handle, payload, params in self._handles.values():
             if payload is None:  # a sparse gradient: the handle is a callable returning the sum
                 params[0].grad = handle()
@@ -294,7 +331,7 @@ class _DistributedOptimizer(WrappedOptimizer):
         return self._opt.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._handles or self._deferred or self._stateful_ready:
+        if self._handles or self._deferred or self._stateful_ready or (self._casts is not None and self._casts.pending):
             raise HoraError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
                 "optimizer.synchronize(); that would discard gradients still being reduced"
@@ -313,6 +350,8 @@ class _DistributedOptimizer(WrappedOptimizer):
         self._group_ready.clear()
         self._densified.clear()
         self._stateful_ready.clear()
+        if self._casts is not None:
+            self._casts.reset()
         self._synchronized = False
 
     def state_dict(self) -> dict:

@@ -4,6 +4,8 @@
   (stateless, Horovod's ``compress``/``decompress``), ``fp16.with_error_feedback()``
   and ``powersgd(rank=...)`` (stateful: one object per optimizer, holding
   that optimizer's per-tensor state).
+* :class:`CastExchange`: how a binding sends a step's gradients under
+  ``fp16``/``bf16``: cast straight into one flat wire buffer, chunk by chunk.
 * The math runs here on engine buffers (NumPy arrays, torch tensors) through
   :mod:`hora.core.buffers`; a binding hands over a step's gradients and
   names, and :meth:`StatefulCompressor.reduce` leaves the reduced values in
@@ -23,6 +25,7 @@ from hora.core.compression.base import (
     is_builtin_cast,
     is_stateful,
 )
+from hora.core.compression.cast import CastExchange
 from hora.core.compression.feedback import ErrorFeedback
 from hora.core.compression.powersgd import PowerSGD
 from hora.core.compression.state import TensorStateCompressor
@@ -62,6 +65,6 @@ def parse_spec(spec: str) -> Compressor | StatefulCompressor | type:
     raise ValueError(f"unknown compression {spec!r}: use none, fp16, bf16, fp16+ef, bf16+ef or powersgd:RANK")
 
 
-__all__ = ["BF16Compressor", "Compression", "Compressor", "ErrorFeedback", "FP16Compressor", "NoneCompressor",
-           "PowerSGD", "StatefulCompressor", "TensorStateCompressor", "WireBuffers", "gradient_name",
+__all__ = ["BF16Compressor", "CastExchange", "Compression", "Compressor", "ErrorFeedback", "FP16Compressor",
+           "NoneCompressor", "PowerSGD", "StatefulCompressor", "TensorStateCompressor", "WireBuffers", "gradient_name",
            "is_builtin_cast", "is_stateful", "parse_spec"]
