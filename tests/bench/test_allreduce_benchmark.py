@@ -21,7 +21,8 @@ def test_every_part_and_peer_with_a_paired_ratio(tmp_path, run_job):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     sizes = {(r["engine"], r["bytes"]): r for r in data["results"]["sizes"]}
-    assert set(sizes) == {(e, b) for e in ("mpi", "gloo", "hora-mpi", "hora-gloo") for b in (4096, 2 << 20)}
+    assert set(sizes) == {(e, b) for e in ("mpi", "gloo", "hora-mpi", "hora-gloo") for b in (4096, 2 << 20)}, (
+        data["notes"], proc.stdout[-3000:])
     for engine in ("hora-mpi", "hora-gloo"):
         assert "paired_ratio" not in sizes[(engine, 4096)]  # below --pair-from
         assert sizes[(engine, 2 << 20)]["paired_ratio"] > 0
